@@ -1,0 +1,27 @@
+// Raw memory for tensors: aligned host memory, or the per-device stream-ordered CUDA pool.
+#pragma once
+
+#include <cstddef>
+
+#include "octet/core/device.h"
+
+namespace octet {
+
+/// Host allocations are aligned to this many bytes (one cache line; also wide enough for AVX-512
+/// loads and for cudaMemcpy fast paths).
+inline constexpr size_t kHostAlignment = 64;
+
+/// Allocates `bytes` on `device`. CUDA memory comes from the device's default memory pool
+/// (cudaMallocAsync on octet's stream for that device), so freed blocks are reused without a
+/// caching allocator of our own. Throws octet::Error on failure, naming the size.
+void* device_alloc(size_t bytes, const Device& device);
+/// Frees memory from device_alloc. Never throws.
+void device_free(void* ptr, const Device& device) noexcept;
+
+/// Copies `bytes` between any two devices and waits for the copy to finish.
+void copy_bytes(void* dst, const Device& dst_device, const void* src, const Device& src_device,
+                size_t bytes);
+/// Sets `bytes` to zero on `device` (stream-ordered on octet's stream for CUDA).
+void zero_bytes(void* ptr, const Device& device, size_t bytes);
+
+}  // namespace octet

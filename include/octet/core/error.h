@@ -1,0 +1,41 @@
+// octet::Error and the check macros. Library code throws; it never calls exit().
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace octet {
+
+/// The one exception type thrown by octet. what() holds "file:line: message".
+class Error : public std::runtime_error {
+ public:
+  Error(const char* file, int line, const std::string& message);
+  /// The message without the file:line prefix.
+  const std::string& message() const { return message_; }
+
+ private:
+  std::string message_;
+};
+
+namespace detail {
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+}  // namespace detail
+
+}  // namespace octet
+
+/// Throws octet::Error with the streamed message parts.
+#define OCTET_ERROR(...) throw ::octet::Error(__FILE__, __LINE__, ::octet::detail::concat(__VA_ARGS__))
+
+/// Throws octet::Error unless cond holds. The message names what was expected and received.
+#define OCTET_CHECK(cond, ...)                                       \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      OCTET_ERROR("check failed: " #cond ": ", ##__VA_ARGS__);       \
+    }                                                                \
+  } while (false)

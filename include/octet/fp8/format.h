@@ -1,0 +1,152 @@
+// Scalar number formats: FP8 E4M3/E5M2, BF16 and the E8M0 block-scale format.
+//
+// Every encoder here is bit-identical to CUDA's saturating conversions
+// (__nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...), __float2bfloat16_rn,
+// __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)); tests/fp8/format_test.cc proves it
+// over all 2^32 float bit patterns. The functions are host-and-device so the CUDA kernels can run
+// exactly this code where the hardware has no matching instruction.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "octet/core/dtype.h"
+
+#if defined(__CUDACC__)
+#define OCTET_HD __host__ __device__ __forceinline__
+#else
+#define OCTET_HD inline
+#endif
+
+namespace octet::fp8 {
+
+/// Largest finite E4M3 value (S.1111.110).
+inline constexpr float kE4M3Max = 448.0f;
+/// Largest finite E5M2 value (S.11110.11).
+inline constexpr float kE5M2Max = 57344.0f;
+/// E8M0's exponent bias: bits b encode 2^(b - 127); 0xFF is NaN.
+inline constexpr int kE8M0Bias = 127;
+inline constexpr uint8_t kE8M0NaN = 0xFF;
+
+/// Largest finite value of an FP8 dtype (e4m3 or e5m2).
+constexpr float fp8_max(DType dtype) { return dtype == DType::e4m3 ? kE4M3Max : kE5M2Max; }
+
+OCTET_HD uint32_t float_bits(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+
+OCTET_HD float bits_float(uint32_t bits) {
+  float x;
+  memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+/// Rounds |x| (as float bits) to a floating format with `mantissa_bits` explicit mantissa bits and
+/// exponent bias `bias`, round-to-nearest-even, for values already known to be in range.
+/// Returns exponent and mantissa fields (no sign).
+OCTET_HD uint32_t round_to_minifloat(uint32_t abs_bits, int mantissa_bits, int bias) {
+  const int exponent = static_cast<int>(abs_bits >> 23) - 127 + bias;  // target biased exponent
+  uint32_t significand = (abs_bits & 0x7FFFFFu) | 0x800000u;            // implicit bit made explicit
+  int drop = 23 - mantissa_bits;                                         // bits rounded off
+  uint32_t result;
+  if (exponent >= 1) {
+    result = (static_cast<uint32_t>(exponent) << mantissa_bits) |
+             ((significand >> drop) & ((1u << mantissa_bits) - 1u));
+  } else {
+    drop += 1 - exponent;  // subnormal target: shift the implicit bit into the mantissa field
+    result = significand >> drop;
+  }
+  const uint32_t remainder = significand & ((1u << drop) - 1u);
+  const uint32_t half = 1u << (drop - 1);
+  if (remainder > half || (remainder == half && (result & 1u))) ++result;  // carries into exponent
+  return result;
+}
+
+/// float -> E4M3, round-to-nearest-even, saturating to ±448; NaN -> 0x7F.
+OCTET_HD uint8_t encode_e4m3(float x) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  if (abs_bits > 0x7F800000u) return 0x7F;        // NaN, canonical positive as CUDA does
+  if (abs_bits <= 0x3A800000u) return sign;       // |x| <= 2^-10 (half the smallest subnormal)
+  if (abs_bits > 0x43E80000u) return sign | 0x7E; // |x| > 464 (448 + half an ulp): saturate
+  return sign | static_cast<uint8_t>(round_to_minifloat(abs_bits, 3, 7));
+}
+
+/// float -> E5M2, round-to-nearest-even, saturating to ±57344; NaN -> 0x7F.
+OCTET_HD uint8_t encode_e5m2(float x) {
+  const uint32_t bits = float_bits(x);
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  if (abs_bits > 0x7F800000u) return 0x7F;         // NaN
+  if (abs_bits <= 0x37000000u) return sign;        // |x| <= 2^-17
+  if (abs_bits >= 0x47700000u) return sign | 0x7B; // |x| >= 61440: the tie rounds up, saturate
+  return sign | static_cast<uint8_t>(round_to_minifloat(abs_bits, 2, 15));
+}
+
+/// E4M3 -> float (exact). 0x7F/0xFF are NaN.
+OCTET_HD float decode_e4m3(uint8_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t exponent = (v >> 3) & 0xFu;
+  const uint32_t mantissa = v & 0x7u;
+  if (exponent == 0xF && mantissa == 0x7) return bits_float(sign | 0x7FC00000u);
+  if (exponent == 0) {  // subnormal: mantissa * 2^-9
+    float magnitude = static_cast<float>(mantissa) * 0.001953125f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent - 7 + 127) << 23) | (mantissa << 20));
+}
+
+/// E5M2 -> float (exact). Exponent 31 holds inf and NaN.
+OCTET_HD float decode_e5m2(uint8_t v) {
+  // E5M2 is the top byte of an IEEE half: widen through the half layout.
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24;
+  const uint32_t exponent = (v >> 2) & 0x1Fu;
+  const uint32_t mantissa = v & 0x3u;
+  if (exponent == 0x1F) return bits_float(sign | 0x7F800000u | (mantissa << 21) | (mantissa ? 0x400000u : 0));
+  if (exponent == 0) {  // subnormal: mantissa * 2^-16
+    float magnitude = static_cast<float>(mantissa) * 1.52587890625e-05f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent - 15 + 127) << 23) | (mantissa << 21));
+}
+
+/// Encodes into the FP8 dtype `dtype` (e4m3 or e5m2).
+OCTET_HD uint8_t encode_fp8(float x, DType dtype) {
+  return dtype == DType::e4m3 ? encode_e4m3(x) : encode_e5m2(x);
+}
+OCTET_HD float decode_fp8(uint8_t v, DType dtype) {
+  return dtype == DType::e4m3 ? decode_e4m3(v) : decode_e5m2(v);
+}
+
+/// float -> bf16 bits, round-to-nearest-even; NaN -> 0x7FFF (CUDA's canonical NaN).
+OCTET_HD uint16_t encode_bf16(float x) {
+  const uint32_t bits = float_bits(x);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+OCTET_HD float decode_bf16(uint16_t v) { return bits_float(static_cast<uint32_t>(v) << 16); }
+
+/// The E8M0 scale for a block: 2^ceil(log2(x)) for x >= 0, as biased exponent bits, saturated to
+/// [2^-127, 2^127]. NaN -> 0xFF. Matches __nv_cvt_float_to_e8m0(x, __NV_SATFINITE,
+/// cudaRoundPosInf) for non-negative x (the sign is ignored).
+OCTET_HD uint8_t encode_e8m0_round_up(float x) {
+  const uint32_t abs_bits = float_bits(x) & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return kE8M0NaN;
+  if (abs_bits >= 0x7F000000u) return 254;  // >= 2^127 (inf included): saturate
+  uint32_t exponent = abs_bits >> 23;
+  const uint32_t mantissa = abs_bits & 0x7FFFFFu;
+  if (exponent == 0) return mantissa > 0x400000u ? 1 : 0;  // subnormals: 2^-127 or 2^-126
+  return static_cast<uint8_t>(exponent + (mantissa != 0 ? 1 : 0));
+}
+
+/// E8M0 bits -> 2^(bits-127) as float (2^-127 is a float subnormal; exact). 0xFF -> NaN.
+OCTET_HD float decode_e8m0(uint8_t v) {
+  if (v == kE8M0NaN) return bits_float(0x7FC00000u);
+  if (v == 0) return bits_float(0x00400000u);
+  return bits_float(static_cast<uint32_t>(v) << 23);
+}
+
+}  // namespace octet::fp8

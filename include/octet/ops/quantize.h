@@ -1,0 +1,37 @@
+// amax, FP8 quantization (per-tensor, block, MXFP8; with the fused transposed copy) and
+// dequantization. CPU semantics are the reference; CUDA matches them bit-exactly.
+#pragma once
+
+#include "octet/core/tensor.h"
+#include "octet/fp8/quantized_tensor.h"
+
+namespace octet::ops {
+
+/// Records max|x| into amax_out: element 0 of amax_out (f32, on x's device) becomes
+/// max(element 0, max|x|). The max is taken over the bit patterns of |x|, so a NaN anywhere wins
+/// and the result does not depend on the order of the reduction. x: f32 or bf16, non-empty.
+void amax(const Tensor& x, const Tensor& amax_out);
+
+struct QuantizeArgs {
+  /// per_tensor only: f32[1] on x's device; q = fp8(x * scale), scale_inv = 1 / scale.
+  Tensor scale;
+  /// Optional f32[>=1] on x's device: element 0 becomes max(element 0, max|x|) (as amax()).
+  /// Published only after every FP8 store of the call (DESIGN.md rule 1).
+  Tensor amax;
+  /// block_1x128 / block_128x128: round each block's scale down to a power of two.
+  bool power_of_2_block_scales = true;
+};
+
+/// Quantizes the [rows, cols] matrix view of x (f32 or bf16) into `out`, whose allocated buffers
+/// (see QuantizedTensor::allocate) decide the scaling mode and which copies are written. Writes
+/// data/data_t and scale_inv/scale_inv_t. Throws on shape, dtype or device mismatch.
+void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& args = {});
+
+/// out (f32 or bf16, [rows, cols], or [cols, rows] when `transposed`) = the dequantized row-wise
+/// copy of q, or of its transposed copy when `transposed`.
+void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed = false);
+
+/// out = x converted between f32 and bf16 (round-to-nearest-even); same shape, any of the two.
+void cast(const Tensor& x, const Tensor& out);
+
+}  // namespace octet::ops

@@ -1,0 +1,100 @@
+#include "octet/core/allocator.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "octet/core/error.h"
+
+#if OCTET_WITH_CUDA
+#include "octet/core/cuda_context.h"
+#endif
+
+namespace octet {
+namespace {
+size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+}  // namespace
+
+void* device_alloc(size_t bytes, const Device& device) {
+  if (bytes == 0) bytes = 1;  // distinct non-null pointers keep empty-tensor handling uniform
+  if (device.is_cpu()) {
+    void* ptr = std::aligned_alloc(kHostAlignment, round_up(bytes, kHostAlignment));
+    OCTET_CHECK(ptr != nullptr, "out of host memory allocating ", bytes, " bytes");
+    return ptr;
+  }
+#if OCTET_WITH_CUDA
+  check_device_available(device);
+  DeviceGuard guard(device);
+  void* ptr = nullptr;
+  cudaError_t status = cudaMallocAsync(&ptr, bytes, cuda::stream(device));
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    cudaMemGetInfo(&free_bytes, &total_bytes);
+    OCTET_ERROR("out of GPU memory on ", device, ": needed ", bytes, " bytes (",
+                bytes / (1 << 20), " MiB) with ", free_bytes / (1 << 20), " MiB free of ",
+                total_bytes / (1 << 20), " MiB");
+  }
+  return ptr;
+#else
+  OCTET_ERROR("cannot allocate on ", device, ": octet was built without CUDA");
+#endif
+}
+
+void device_free(void* ptr, const Device& device) noexcept {
+  if (ptr == nullptr) return;
+  if (device.is_cpu()) {
+    std::free(ptr);
+    return;
+  }
+#if OCTET_WITH_CUDA
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(device.index);
+  cudaFreeAsync(ptr, cuda::stream(device));
+  cudaSetDevice(previous);
+#endif
+}
+
+void copy_bytes(void* dst, const Device& dst_device, const void* src, const Device& src_device,
+                size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device.is_cpu() && src_device.is_cpu()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#if OCTET_WITH_CUDA
+  if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
+    // Order the copy after pending work on both devices, then wait for it.
+    cuda::synchronize(src_device);
+    DeviceGuard guard(dst_device);
+    OCTET_CHECK_CUDA(
+        cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, bytes,
+                            cuda::stream(dst_device)));
+    cuda::synchronize(dst_device);
+    return;
+  }
+  const Device& gpu = dst_device.is_cuda() ? dst_device : src_device;
+  DeviceGuard guard(gpu);
+  OCTET_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, cuda::stream(gpu)));
+  cuda::synchronize(gpu);
+#else
+  OCTET_ERROR("cannot copy between ", src_device, " and ", dst_device,
+              ": octet was built without CUDA");
+#endif
+}
+
+void zero_bytes(void* ptr, const Device& device, size_t bytes) {
+  if (bytes == 0) return;
+  if (device.is_cpu()) {
+    std::memset(ptr, 0, bytes);
+    return;
+  }
+#if OCTET_WITH_CUDA
+  DeviceGuard guard(device);
+  OCTET_CHECK_CUDA(cudaMemsetAsync(ptr, 0, bytes, cuda::stream(device)));
+#else
+  OCTET_ERROR("cannot use ", device, ": octet was built without CUDA");
+#endif
+}
+
+}  // namespace octet
