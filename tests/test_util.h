@@ -1,0 +1,50 @@
+// Shared test helpers: fresh random inputs, the backends to run, exact comparisons.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "octet/core/tensor.h"
+#include "octet/fp8/format.h"
+
+namespace octet::testing {
+
+/// A seed drawn fresh for every call (so each run tests new inputs), unless OCTET_TEST_SEED pins
+/// it. Tests put it in a SCOPED_TRACE so a failure can be replayed.
+uint64_t fresh_seed();
+
+/// The backends a parity test runs on: "cpu" always, "cuda:0" always listed (the case skips
+/// itself without a GPU, so the suite's shape is the same everywhere).
+std::vector<Device> all_backends();
+/// GTEST_SKIP()s the calling test when `device` is a GPU that is not there.
+#define OCTET_SKIP_IF_UNAVAILABLE(device)                                              \
+  do {                                                                                 \
+    if ((device).is_cuda() && ::octet::cuda_device_count() <= (device).index)          \
+      GTEST_SKIP() << (device) << " not available (" << ::octet::cuda_device_count()   \
+                   << " GPU(s) visible)";                                              \
+  } while (false)
+
+/// CPU tensor of `shape` and dtype f32 or bf16 with values uniform in [-scale, scale] (never all
+/// zero: a zero draw is replaced by scale/3).
+Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, float scale = 1.0f);
+/// CPU tensor with small integers in [-range, range] (exact in every format octet computes in).
+Tensor random_int_tensor(const Shape& shape, DType dtype, uint64_t seed, int range = 4);
+/// Values of a f32/bf16/fp8 tensor (any device) as floats, copied to the host.
+std::vector<float> to_floats(const Tensor& t);
+/// Raw bytes of a tensor (any device), copied to the host.
+std::vector<uint8_t> to_bytes(const Tensor& t);
+
+/// Asserts byte-for-byte equality and reports the first differing element.
+::testing::AssertionResult bitwise_equal(const Tensor& expected, const Tensor& actual);
+
+/// Relative L2 error ||a - b|| / ||b|| (b is the reference).
+double relative_l2(const std::vector<float>& a, const std::vector<float>& reference);
+/// Largest |a - b|.
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
+
+}  // namespace octet::testing
