@@ -1,0 +1,36 @@
+// LayerNorm and RMSNorm over the last dimension, forward and backward.
+#pragma once
+
+#include "octet/core/tensor.h"
+#include "octet/ops/quantize.h"
+
+namespace octet::ops {
+
+/// Optional FP8 output of a fused op: the op also writes quantize(its output) into `out`, exactly
+/// as ops::quantize would on the op's (f32/bf16) output, in the same kernel where the backend can.
+/// Supported fused modes: per_tensor (rowwise, and the transposed copy when allocated).
+struct FusedQuantize {
+  fp8::QuantizedTensor* out = nullptr;
+  QuantizeArgs args;
+};
+
+/// y = (x - mean) * rstd * gamma + beta per row; x, y [rows, cols] f32|bf16 (same dtype); gamma,
+/// beta f32 [cols]; mean, rstd f32 [rows] are written for the backward pass. Statistics in f32:
+/// mean = sum(x)/cols, var = sum((x-mean)^2)/cols, rstd = 1/sqrt(var + eps).
+void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                       const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                       const FusedQuantize* fused = nullptr);
+/// dx (x's dtype) = LayerNorm input gradient; dgamma += sum_rows(dy * xhat), dbeta += sum_rows(dy)
+/// (f32 [cols], accumulated across calls, reduced in a fixed order).
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                        const Tensor& dbeta);
+
+/// y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps).
+void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
+                     const Tensor& rstd, const FusedQuantize* fused = nullptr);
+/// dx; dgamma += sum_rows(dy * x * rstd).
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dgamma);
+
+}  // namespace octet::ops

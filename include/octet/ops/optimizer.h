@@ -1,0 +1,28 @@
+// AdamW on FP32 master weights, and the global gradient norm for clipping.
+#pragma once
+
+#include "octet/core/tensor.h"
+
+namespace octet::ops {
+
+/// norm_sq (f32[1], on the tensors' device) = sum over all tensors of sum(g^2), accumulated in a
+/// fixed order (per-tensor partials, then tensors in the given order). All on one device.
+void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq);
+
+struct AdamWArgs {
+  float lr = 3e-4f;
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.1f;  ///< decoupled: param -= lr * weight_decay * param
+  int64_t step = 1;           ///< 1-based, for bias correction
+  float max_grad_norm = 1.0f; ///< clip threshold; <= 0 disables clipping
+};
+
+/// One AdamW step for param/grad/m/v (f32, same shape and device). The gradient is scaled by
+/// min(1, max_grad_norm / (sqrt(norm_sq[0]) + 1e-6)) read from the device tensor norm_sq, so
+/// clipping needs no host synchronisation.
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const Tensor& norm_sq, const AdamWArgs& args);
+
+}  // namespace octet::ops
