@@ -1,0 +1,44 @@
+// Model configurations: GPT-2 style and Llama style, with named presets.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace octet::train {
+
+enum class Arch : uint8_t {
+  gpt2,   ///< LayerNorm, GELU, learned positions, tied embeddings
+  llama,  ///< RMSNorm, SwiGLU, RoPE, untied embeddings
+};
+
+struct ModelConfig {
+  std::string preset = "custom";
+  Arch arch = Arch::gpt2;
+  int64_t layers = 2;
+  int64_t dim = 128;
+  int64_t heads = 4;
+  int64_t ffn = 512;       ///< hidden width of the MLP (per branch for SwiGLU)
+  int64_t vocab = 256;     ///< rounded up to a multiple of 16 for the FP8/GEMM shape rules
+  int64_t max_seq = 128;   ///< size of the position table (gpt2) / longest sequence
+  float norm_eps = 1e-5f;
+  float rope_theta = 10000.0f;
+
+  int64_t head_dim() const { return dim / heads; }
+  bool tied_embeddings() const { return arch == Arch::gpt2; }
+  /// Number of trainable parameters.
+  int64_t parameter_count() const;
+  /// Throws octet::Error naming the offending fields (heads must divide dim, sizes positive, ...).
+  void validate() const;
+  /// "gpt2-124m (12 layers, dim 768, 12 heads, ffn 3072, vocab 50304, seq 1024)".
+  std::string describe() const;
+};
+
+/// Presets: tiny (CPU), gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b (Llama-style, MHA).
+ModelConfig model_preset(std::string_view name);
+std::vector<std::string> model_preset_names();
+
+std::string_view arch_name(Arch arch);
+
+}  // namespace octet::train

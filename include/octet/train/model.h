@@ -1,0 +1,90 @@
+// The GPT-style language model (GPT-2 or Llama flavour) built from nn modules, with explicit
+// forward and backward over one microbatch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "octet/core/tensor.h"
+#include "octet/fp8/recipe.h"
+#include "octet/nn/fp8_state.h"
+#include "octet/train/config.h"
+
+namespace octet::nn {
+class Linear;
+}
+
+namespace octet::train {
+
+/// The GEMM precision of a run: fp32, bf16 (BF16 GEMMs and activations), or fp8 under a recipe
+/// (FP8 GEMMs in the transformer blocks, BF16 activations; embeddings, norms, attention and the
+/// LM head stay in BF16, as Transformer Engine does).
+struct Precision {
+  enum class Kind : uint8_t { fp32, bf16, fp8 } kind = Kind::fp8;
+  fp8::Recipe recipe;  ///< fp8 only
+
+  /// fp8-delayed, fp8-current, fp8-block, fp8-mxfp8, bf16, fp32.
+  static Precision from_name(std::string_view name);
+  std::string name() const;
+  /// Activation dtype: f32 for fp32, bf16 otherwise.
+  DType activation_dtype() const;
+};
+
+/// A trainable tensor: FP32 master value and FP32 gradient on the model's device.
+struct Parameter {
+  std::string name;  ///< e.g. "blocks.3.attn.qkv.weight" (checkpoint tensor name)
+  Tensor value;
+  Tensor grad;
+  bool weight_decay = true;  ///< false for biases, norms and (tied) embeddings' position table
+};
+
+/// One FP8 GEMM module, for statistics and checkpoints.
+struct Fp8Module {
+  std::string name;  ///< e.g. "blocks.3.mlp.fc1"
+  const nn::Linear* linear = nullptr;
+};
+
+class GPT {
+ public:
+  /// Builds the model on `device` with weights drawn from `seed` (deterministic).
+  /// recompute: keep only each block's input and scales, and recompute during backward.
+  GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
+      bool recompute);
+  ~GPT();
+  GPT(const GPT&) = delete;
+  GPT& operator=(const GPT&) = delete;
+
+  const ModelConfig& config() const;
+  const Precision& precision() const;
+  const Device& device() const;
+
+  /// One training microbatch: forward, loss, backward. ids/targets: i32 [batch*seq] (any device;
+  /// copied to the model's device). Gradients accumulate (+=) scaled by grad_scale (e.g.
+  /// 1/accumulation steps). Returns the mean loss over the microbatch's tokens. Exactly one FP8
+  /// forward and one backward state update happen per call.
+  float train_microbatch(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq,
+                         float grad_scale);
+  /// Mean loss without gradients and without touching FP8 state (evaluation).
+  float evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq);
+  /// Logits of the last position of each sequence: f32 [batch, vocab] on the CPU (generation).
+  Tensor last_logits(const Tensor& ids, int64_t batch, int64_t seq);
+
+  /// Every trainable parameter, in a fixed order (the optimizer's and the checkpoint's order).
+  std::vector<Parameter> parameters();
+  /// The FP8 GEMM modules in registration order.
+  std::vector<Fp8Module> fp8_modules() const;
+  nn::AmaxRegistry& registry();
+
+  void zero_grad();
+  /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward.
+  void on_weights_updated();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace octet::train

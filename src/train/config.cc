@@ -1,0 +1,85 @@
+#include "octet/train/config.h"
+
+#include <sstream>
+
+#include "octet/core/error.h"
+
+namespace octet::train {
+namespace {
+// The FP8 GEMM shape rule (cuBLASLt): every GEMM dimension a multiple of 16.
+constexpr int64_t kShapeMultiple = 16;
+
+int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+ModelConfig make(std::string name, Arch arch, int64_t layers, int64_t dim, int64_t heads,
+                 int64_t ffn, int64_t vocab, int64_t max_seq) {
+  ModelConfig c;
+  c.preset = std::move(name);
+  c.arch = arch;
+  c.layers = layers;
+  c.dim = dim;
+  c.heads = heads;
+  c.ffn = ffn;
+  c.vocab = vocab;
+  c.max_seq = max_seq;
+  return c;
+}
+}  // namespace
+
+std::string_view arch_name(Arch arch) { return arch == Arch::gpt2 ? "gpt2" : "llama"; }
+
+// GPT-2 sizes from the GPT-2 paper (vocab 50257 padded to 50304 as llm.c does); llama-1b follows
+// Llama 3.2 1B's depth and width with multi-head attention and a byte-level-friendly vocab.
+ModelConfig model_preset(std::string_view name) {
+  if (name == "tiny") return make("tiny", Arch::gpt2, 2, 128, 4, 512, 256, 128);
+  if (name == "gpt2-124m") return make("gpt2-124m", Arch::gpt2, 12, 768, 12, 3072, 50304, 1024);
+  if (name == "gpt2-350m") return make("gpt2-350m", Arch::gpt2, 24, 1024, 16, 4096, 50304, 1024);
+  if (name == "gpt2-1.5b") return make("gpt2-1.5b", Arch::gpt2, 48, 1600, 25, 6400, 50304, 1024);
+  if (name == "llama-1b") {
+    ModelConfig c = make("llama-1b", Arch::llama, 16, 2048, 32, 5632, 32000, 2048);
+    c.rope_theta = 500000.0f;
+    return c;
+  }
+  std::ostringstream names;
+  for (const auto& n : model_preset_names()) names << " " << n;
+  OCTET_ERROR("unknown model preset '", name, "'; expected one of:", names.str());
+}
+
+std::vector<std::string> model_preset_names() {
+  return {"tiny", "gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-1b"};
+}
+
+int64_t ModelConfig::parameter_count() const {
+  const int64_t embeddings = vocab * dim + (arch == Arch::gpt2 ? max_seq * dim : 0);
+  const int64_t head = tied_embeddings() ? 0 : vocab * dim;
+  const int64_t norm = arch == Arch::gpt2 ? 2 * dim : dim;  // gamma (+ beta)
+  const int64_t bias = arch == Arch::gpt2 ? 1 : 0;
+  const int64_t attention = dim * 3 * dim + dim * dim + bias * (3 * dim + dim);
+  const int64_t mlp_in = arch == Arch::llama ? 2 * ffn : ffn;
+  const int64_t mlp = dim * mlp_in + ffn * dim + bias * (mlp_in + dim);
+  return embeddings + head + layers * (2 * norm + attention + mlp) + norm;
+}
+
+void ModelConfig::validate() const {
+  OCTET_CHECK(layers > 0 && dim > 0 && heads > 0 && ffn > 0 && vocab > 0 && max_seq > 0,
+              "model sizes must be positive, got layers ", layers, ", dim ", dim, ", heads ", heads,
+              ", ffn ", ffn, ", vocab ", vocab, ", seq ", max_seq);
+  OCTET_CHECK(dim % heads == 0, "heads (", heads, ") must divide dim (", dim, ")");
+  OCTET_CHECK(dim % kShapeMultiple == 0 && ffn % kShapeMultiple == 0,
+              "dim (", dim, ") and ffn (", ffn, ") must be multiples of ", kShapeMultiple,
+              " (the FP8 GEMM shape rule)");
+  OCTET_CHECK(arch == Arch::gpt2 || head_dim() % 2 == 0,
+              "RoPE needs an even head dimension, got ", head_dim());
+  OCTET_CHECK(vocab % kShapeMultiple == 0, "vocab (", vocab, ") must be a multiple of ",
+              kShapeMultiple, "; use ", round_up(vocab, kShapeMultiple));
+}
+
+std::string ModelConfig::describe() const {
+  std::ostringstream out;
+  out << preset << " (" << arch_name(arch) << ", " << layers << " layers, dim " << dim << ", "
+      << heads << " heads, ffn " << ffn << ", vocab " << vocab << ", seq " << max_seq << ", "
+      << parameter_count() / 1e6 << "M parameters)";
+  return out.str();
+}
+
+}  // namespace octet::train
