@@ -11,13 +11,13 @@
 #include "octet/core/error.h"
 
 /// Throws octet::Error naming the cuBLAS status and the failed call.
-#define OCTET_CHECK_CUBLAS(call)                                                                \
-  do {                                                                                          \
-    cublasStatus_t octet_cublas_status_ = (call);                                               \
-    if (octet_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                                        \
-      OCTET_ERROR("cuBLAS error ", cublasLtGetStatusName(octet_cublas_status_), " (",           \
-                  cublasLtGetStatusString(octet_cublas_status_), ") in ", #call);               \
-    }                                                                                           \
+#define OCTET_CHECK_CUBLAS(call)                                                      \
+  do {                                                                                \
+    cublasStatus_t octet_cublas_status_ = (call);                                     \
+    if (octet_cublas_status_ != CUBLAS_STATUS_SUCCESS) {                              \
+      OCTET_ERROR("cuBLAS error ", cublasLtGetStatusName(octet_cublas_status_), " (", \
+                  cublasLtGetStatusString(octet_cublas_status_), ") in ", #call);     \
+    }                                                                                 \
   } while (false)
 
 namespace octet::ops::cuda {

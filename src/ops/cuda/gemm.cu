@@ -106,8 +106,7 @@ __global__ void scales_128x128_to_blk128_kernel(const float* in, float* out, int
 // octet's compact MXFP8 scales e8m0[rows, blocks] -> VEC32_UE8M0's swizzled 128x4 tiles. One
 // thread per output byte, so padding bytes are written too (as 2^-127: they scale no data).
 __global__ void scales_mxfp8_to_vec32_kernel(const uint8_t* in, uint8_t* out, int64_t rows,
-                                             int64_t blocks, int64_t padded_blocks,
-                                             int64_t total) {
+                                             int64_t blocks, int64_t padded_blocks, int64_t total) {
   const int64_t i = global_index();
   if (i >= total) return;
   const int64_t tile = i / kMxTileBytes;
@@ -136,8 +135,8 @@ __global__ void dequantize_mxfp8_to_bf16_kernel(const uint8_t* q, const uint8_t*
 }
 
 // d[row, col] += bias[col] for row-major d [rows, cols], in f32, rounded once to d's dtype.
-__global__ void add_bias_kernel(void* d, const void* bias, int64_t rows, int64_t cols,
-                                bool d_bf16, bool bias_bf16) {
+__global__ void add_bias_kernel(void* d, const void* bias, int64_t rows, int64_t cols, bool d_bf16,
+                                bool bias_bf16) {
   const int64_t i = global_index();
   if (i >= rows * cols) return;
   const float value = load_float(d, i, d_bf16) + load_float(bias, i % cols, bias_bf16);
@@ -222,9 +221,9 @@ void add_bias(const Tensor& d, const Tensor& bias, int64_t rows, int64_t cols,
 /// cuBLAS guide ("Results reproducibility") promises bitwise-identical results run to run for
 /// one algorithm on one GPU model when the workspace is the caller's, which it is here, and the
 /// algorithm per shape is fixed by the cache below.
-constexpr uint32_t kDeterministicReductions =
-    CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
-    CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+constexpr uint32_t kDeterministicReductions = CUBLASLT_REDUCTION_SCHEME_NONE |
+                                              CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
+                                              CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
 /// The largest alignment cuBLASLt distinguishes (its MIN_ALIGNMENT preferences default to 256).
 constexpr uint32_t kMaxAlignment = 256;
 /// FP8 tensor cores arrived with compute capability 8.9 (Ada); Hopper is 9.0.
@@ -237,11 +236,16 @@ constexpr int kFirstFp8ComputeCapability = 89;
 
 cudaDataType_t cuda_dtype(DType dtype) {
   switch (dtype) {
-    case DType::f32: return CUDA_R_32F;
-    case DType::bf16: return CUDA_R_16BF;
-    case DType::e4m3: return CUDA_R_8F_E4M3;
-    case DType::e5m2: return CUDA_R_8F_E5M2;
-    default: OCTET_ERROR("gemm (CUDA): unsupported dtype ", dtype_name(dtype));
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    case DType::e4m3:
+      return CUDA_R_8F_E4M3;
+    case DType::e5m2:
+      return CUDA_R_8F_E5M2;
+    default:
+      OCTET_ERROR("gemm (CUDA): unsupported dtype ", dtype_name(dtype));
   }
 }
 
@@ -249,10 +253,14 @@ cudaDataType_t cuda_dtype(DType dtype) {
 int32_t scale_mode(const GemmOperand& x) {
   if (!is_fp8(x.data.dtype())) return -1;
   switch (x.mode) {
-    case fp8::ScalingMode::per_tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-    case fp8::ScalingMode::block_1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    case fp8::ScalingMode::block_128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
-    case fp8::ScalingMode::mxfp8_1x32: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+    case fp8::ScalingMode::per_tensor:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case fp8::ScalingMode::block_1x128:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case fp8::ScalingMode::block_128x128:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    case fp8::ScalingMode::mxfp8_1x32:
+      return CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
   }
   OCTET_ERROR("gemm (CUDA): unknown scaling mode ", static_cast<int>(x.mode));
 }
@@ -312,10 +320,27 @@ struct MatmulSpec {
 
   using Key = std::array<int64_t, 21>;
   Key key() const {
-    return {device->index, m,          n,          k,           a.type,        b.type,
-            d_type,        a.op,       b.op,       a.scale_mode, b.scale_mode, fast_accum,
-            bias_type,     beta_nonzero, deterministic, align_a, align_b,       align_d,
-            align_bias,    align_a_scale, align_b_scale};
+    return {device->index,
+            m,
+            n,
+            k,
+            a.type,
+            b.type,
+            d_type,
+            a.op,
+            b.op,
+            a.scale_mode,
+            b.scale_mode,
+            fast_accum,
+            bias_type,
+            beta_nonzero,
+            deterministic,
+            align_a,
+            align_b,
+            align_d,
+            align_bias,
+            align_a_scale,
+            align_b_scale};
   }
 };
 
@@ -452,8 +477,7 @@ Plan find_plan(const MatmulSpec& spec, const MatmulArgs& args) {
 }
 
 std::string describe(const GemmOperand& x) {
-  return detail::concat(x.data.describe(),
-                        is_fp8(x.data.dtype()) ? " " : "",
+  return detail::concat(x.data.describe(), is_fp8(x.data.dtype()) ? " " : "",
                         is_fp8(x.data.dtype()) ? fp8::scaling_mode_name(x.mode) : "",
                         x.transpose ? " (transposed)" : "");
 }
@@ -472,9 +496,8 @@ const void* lt_scale(const GemmOperand& x, Tensor& storage, cudaStream_t stream)
   const Shape expected = fp8::scale_shape(x.mode, x.data.rows(), x.data.cols());
   OCTET_CHECK(x.scale_inv.defined() && x.scale_inv.dtype() == fp8::scale_dtype(x.mode) &&
                   x.scale_inv.numel() == shape_numel(expected),
-              "gemm (CUDA): ", fp8::scaling_mode_name(x.mode), " scale_inv for ",
-              x.data.describe(), " must be ", dtype_name(fp8::scale_dtype(x.mode)),
-              shape_str(expected), ", got ",
+              "gemm (CUDA): ", fp8::scaling_mode_name(x.mode), " scale_inv for ", x.data.describe(),
+              " must be ", dtype_name(fp8::scale_dtype(x.mode)), shape_str(expected), ", got ",
               x.scale_inv.defined() ? x.scale_inv.describe() : std::string("none"));
   switch (x.mode) {
     case fp8::ScalingMode::per_tensor:
@@ -484,8 +507,8 @@ const void* lt_scale(const GemmOperand& x, Tensor& storage, cudaStream_t stream)
       return storage.raw_data();
     case fp8::ScalingMode::block_128x128: {
       const bool padded = ceil_div(x.data.cols(), fp8::kBlock) % kScalePadding == 0;
-      const bool aligned = reinterpret_cast<uintptr_t>(x.scale_inv.raw_data()) %
-                               kScaleAlignment == 0;
+      const bool aligned =
+          reinterpret_cast<uintptr_t>(x.scale_inv.raw_data()) % kScaleAlignment == 0;
       if (padded && aligned) return x.scale_inv.raw_data();  // already cuBLASLt's layout
       storage = blk128_scales(x, stream);
       return storage.raw_data();
@@ -513,8 +536,8 @@ MatmulSpec make_spec(const Device& device, const GemmOperand& a, const GemmOpera
   // offer them with fast accumulation (PyTorch's scaled_gemm rejects fast_accum with 1x128 and
   // 128x128 blockwise scaling for this reason), so for them the attribute is left at 0.
   if (is_fp8(a.data.dtype())) {
-    const bool fast = args.accumulation == Accumulation::fast && !is_block_scaled(a) &&
-                      !is_block_scaled(b);
+    const bool fast =
+        args.accumulation == Accumulation::fast && !is_block_scaled(a) && !is_block_scaled(b);
     spec.fast_accum = fast ? 1 : 0;
   }
   if (args.bias.defined()) {
@@ -535,7 +558,8 @@ void throw_no_plan(Outcome outcome, const GemmOperand& a, const GemmOperand& b, 
   if (outcome == Outcome::no_deterministic_algorithm) {
     OCTET_ERROR("gemm: determinism was requested, but cuBLASLt on ", gpu,
                 " offers only algorithms with a non-deterministic (in-place split-K) reduction "
-                "for ", describe(a, b, d, shape),
+                "for ",
+                describe(a, b, d, shape),
                 "; remedy: turn determinism off (unset OCTET_DETERMINISTIC and call "
                 "octet::set_deterministic(false)) for this GEMM, or change its shape");
   }
@@ -551,8 +575,8 @@ void throw_no_plan(Outcome outcome, const GemmOperand& a, const GemmOperand& b, 
 
 /// Runs one GEMM through cuBLASLt. Returns false (having enqueued no matmul) only for MXFP8
 /// operands that cuBLASLt cannot multiply natively; every other refusal throws.
-bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand& b,
-                  const Tensor& d, const GemmArgs& args, const GemmShape& shape) {
+bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                  const GemmArgs& args, const GemmShape& shape) {
   MatmulSpec spec = make_spec(device, a, b, d, args, shape);
   cudaStream_t stream = octet::cuda::stream(device);
   const bool mxfp8 = is_fp8(a.data.dtype()) && a.mode == fp8::ScalingMode::mxfp8_1x32;
@@ -578,8 +602,7 @@ bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand&
   const CublasLt& lt = cublaslt(device);
   OCTET_CHECK_CUBLAS(cublasLtMatmul(lt.handle, &desc.op, &call.alpha, spec.a.data, &desc.a,
                                     spec.b.data, &desc.b, &call.beta, call.d, &desc.d, call.d,
-                                    &desc.d, &plan.algo, lt.workspace, lt.workspace_bytes,
-                                    stream));
+                                    &desc.d, &plan.algo, lt.workspace, lt.workspace_bytes, stream));
   if (args.bias.defined() && !plan.fused_bias) add_bias(d, args.bias, shape.m, shape.n, stream);
   return true;
 }
@@ -625,8 +648,8 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
   if (is_fp8(a.data.dtype()) || is_fp8(b.data.dtype())) {
     const cudaDeviceProp& props = octet::cuda::properties(device);
     OCTET_CHECK(props.major * 10 + props.minor >= kFirstFp8ComputeCapability,
-                "gemm: FP8 GEMMs need FP8 tensor cores (compute capability 8.9 or newer); ",
-                device, " is ", gpu_name(device));
+                "gemm: FP8 GEMMs need FP8 tensor cores (compute capability 8.9 or newer); ", device,
+                " is ", gpu_name(device));
   }
   if (run_cublaslt(device, a, b, d, args, shape)) return;
   run_mxfp8_emulated(device, a, b, d, args, shape);
