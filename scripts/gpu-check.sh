@@ -1,0 +1,385 @@
+#!/usr/bin/env bash
+# gpu-check.sh: the device machine's whole check in one call: build, the test suite, the four
+# compute-sanitizer tools over the CUDA op tests, and octet_bench; then a short summary.
+#
+#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench (default: all four)
+#
+# The device tool allows 10 minutes a command. A cold build plus every stage may not fit: split it
+# in two calls on the same warm machine (build-gpu/ is kept between calls while it stays warm):
+#   scripts/gpu-check.sh build test bench      then      scripts/gpu-check.sh sanitize
+# summary.txt is rewritten after every stage, so a run cut short still reports what finished.
+#
+# Every stage runs even when an earlier one failed (a stage whose binary is missing records that),
+# so one run gives the whole picture; the exit code is 1 when anything failed.
+#
+# Output under $OUT (default ./out; at most these 7 files, the device tool returns 8):
+#   summary.txt  build.log  tests.log  tests.json  sanitizer.log  bench.log  bench.json
+#
+# Environment:
+#   OUT                  output folder (default ./out)
+#   BUILD_DIR            build folder (default build-gpu)
+#   JOBS                 build parallelism (default 16: the H200 machine's cores)
+#   TEST_TIMEOUT         seconds for the whole test suite (default 240)
+#   SANITIZER_TIMEOUT    seconds per sanitizer tool (default 120)
+#   SANITIZER_FILTER     gtest filter for the sanitizer runs, replacing the automatic selection
+#   BENCH_TIMEOUT        seconds for octet_bench (default 240; the default set takes ~1-2 min)
+#   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
+#
+# The sanitizer runs set OCTET_TEST_SMALL=1. Convention for test authors: when it is set, a
+# parity test skips (GTEST_SKIP) its large shapes (more than 2^22 elements, e.g. 16384x8192),
+# which would take far too long under the sanitizer's instrumentation. The sanitizer runs select
+# the CUDA cases of the ops suites automatically (see select_sanitizer_tests below).
+#
+# No `set -e`: a failing stage must not stop the later ones; each command's status is checked.
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 1
+OUT="${OUT:-./out}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+BUILD_DIR="${BUILD_DIR:-build-gpu}"
+JOBS="${JOBS:-16}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
+SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-120}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
+SANITIZER_TOOLS=(memcheck racecheck synccheck initcheck)
+# Exit code the sanitizer returns when it found errors (distinct from gtest's 1).
+SANITIZER_ERROR_EXITCODE=86
+
+STATE="$(mktemp -d)"  # results passed to the summary; outside $OUT to keep to its 7 files
+trap 'rm -rf "$STATE"' EXIT
+TESTS_BIN="$BUILD_DIR/octet_tests"
+BENCH_BIN="$BUILD_DIR/octet_bench"
+
+# record KEY VALUE: one result for the summary (tab-separated, one per line).
+record() { printf '%s\t%s\n' "$1" "$2" >>"$STATE/results.tsv"; }
+# fail STAGE REASON: a failure, reported in the summary and in the exit code.
+fail() { record "failure" "$1: $2"; echo "gpu-check: FAILED $1: $2" >&2; }
+now() { date +%s; }
+
+# ------------------------------------------------------------------------------------------------
+stage_build() {
+  local start rc target
+  start=$(now)
+  : >"$OUT/build.log"
+  # CMAKE_CUDA_ARCHITECTURES is left to the CMakeLists default: the GPU's own (nvidia-smi).
+  cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DOCTET_WITH_CUDA=ON \
+    -DOCTET_BUILD_TESTS=ON -DOCTET_BUILD_BENCHMARKS=ON >>"$OUT/build.log" 2>&1
+  rc=$?
+  if [[ $rc -ne 0 ]]; then
+    fail build "cmake configure exited $rc (build.log)"
+    record build_seconds $(($(now) - start))
+    return
+  fi
+  # One target at a time, so a broken benchmark does not keep the tests from being built.
+  for target in octet_tests octet_bench all; do
+    echo "=== cmake --build --target $target" >>"$OUT/build.log"
+    cmake --build "$BUILD_DIR" -j "$JOBS" --target "$target" >>"$OUT/build.log" 2>&1
+    rc=$?
+    [[ $rc -ne 0 ]] && fail build "target $target exited $rc (build.log)"
+  done
+  grep -h -m1 "octet: CUDA backend" "$OUT/build.log" >"$STATE/build_info.txt"
+  record build_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
+stage_test() {
+  local start rc
+  start=$(now)
+  if [[ ! -x "$TESTS_BIN" ]]; then
+    fail test "no $TESTS_BIN (build failed?)"
+    return
+  fi
+  rm -f "$OUT/tests.json"
+  timeout "$TEST_TIMEOUT" "$TESTS_BIN" --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1
+  rc=$?
+  record test_rc "$rc"
+  [[ $rc -eq 124 ]] && fail test "timed out after ${TEST_TIMEOUT}s (tests.log)"
+  [[ $rc -ne 0 && $rc -ne 124 ]] && fail test "octet_tests exited $rc (tests.log)"
+  record test_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
+# Prints a gtest filter selecting the CUDA cases of the ops suites (empty when none):
+#   - the fixture (the part of the suite name after any instantiation prefix) names an op family:
+#     quantiz, dequantiz, amax, cast, transpose, scal(ing), gemm (case-insensitive), and is not
+#     one of the FP8 format suites (their exhaustive 2^32 sweeps are far too slow instrumented);
+#   - "cuda" (any case) appears in the suite, the test name or its GetParam() comment;
+#   - no shape in the name or comment has more than 2^22 elements (belt and braces next to
+#     OCTET_TEST_SMALL=1).
+# A suite whose every test is selected becomes "Suite.*", which keeps the filter short.
+select_sanitizer_tests() {
+  OCTET_TEST_SMALL=1 "$TESTS_BIN" --gtest_list_tests 2>/dev/null | python3 -c '
+import re, sys
+OPS = re.compile(r"quantiz|dequantiz|amax|cast|transpose|scal|gemm", re.I)
+EXCLUDED = re.compile(r"format", re.I)
+SHAPE = re.compile(r"(\d+)\s*[x,]\s*(\d+)")
+MAX_ELEMENTS = 1 << 22
+suites = {}  # suite -> [(test, selected)]
+suite = suite_comment = None
+for line in sys.stdin:
+    if not line.strip():
+        continue
+    head, _, comment = line.rstrip("\n").partition("#")
+    if not line.startswith(" "):
+        suite, suite_comment = head.strip(), comment
+        suites[suite] = []
+        continue
+    if suite is None:
+        continue
+    test = head.strip()
+    fixture = suite.rstrip(".").split("/")[-1]
+    text = suite + test + " " + comment + " " + suite_comment
+    large = any(int(a) * int(b) > MAX_ELEMENTS for a, b in SHAPE.findall(text))
+    chosen = (bool(OPS.search(fixture)) and not EXCLUDED.search(fixture)
+              and re.search("cuda", text, re.I) is not None and not large)
+    suites[suite].append((test, chosen))
+patterns = []
+for suite, tests in suites.items():
+    picked = [t for t, c in tests if c]
+    if picked and len(picked) == len(tests):
+        patterns.append(suite + "*")
+    else:
+        patterns.extend(suite + t for t in picked)
+print(":".join(patterns))
+'
+}
+
+# error_count FILE: errors in one sanitizer log ("ERROR SUMMARY: N errors"; racecheck may only
+# print "RACECHECK SUMMARY: ... (N errors, M warnings)"). Prints "?" when neither is there.
+error_count() {
+  local n
+  n=$(grep -Eo 'ERROR SUMMARY: [0-9]+ error' "$1" | tail -1 | grep -Eo '[0-9]+')
+  [[ -z "$n" ]] && n=$(grep -Eo 'RACECHECK SUMMARY: .*\(([0-9]+) error' "$1" | tail -1 |
+    grep -Eo '\([0-9]+' | tr -d '(')
+  echo "${n:-?}"
+}
+
+stage_sanitize() {
+  local start sanitizer filter tool rc errors log tool_start count
+  start=$(now)
+  : >"$OUT/sanitizer.log"
+  if [[ ! -x "$TESTS_BIN" ]]; then
+    fail sanitize "no $TESTS_BIN (build failed?)"
+    return
+  fi
+  sanitizer="$(command -v compute-sanitizer || true)"
+  for candidate in /usr/local/cuda/bin/compute-sanitizer \
+    /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+    [[ -z "$sanitizer" && -x "$candidate" ]] && sanitizer="$candidate"
+  done
+  if [[ -z "$sanitizer" ]]; then
+    fail sanitize "compute-sanitizer not found"
+    return
+  fi
+  filter="${SANITIZER_FILTER:-$(select_sanitizer_tests)}"
+  if [[ -z "$filter" ]]; then
+    fail sanitize "no CUDA op tests matched (set SANITIZER_FILTER)"
+    return
+  fi
+  count=$(OCTET_TEST_SMALL=1 "$TESTS_BIN" --gtest_list_tests --gtest_filter="$filter" |
+    grep -c '^  ')
+  record sanitizer_tests "$count"
+  {
+    echo "compute-sanitizer: $sanitizer ($("$sanitizer" --version | tail -1))"
+    echo "OCTET_TEST_SMALL=1, $count tests, --gtest_filter=$filter"
+  } >>"$OUT/sanitizer.log"
+  for tool in "${SANITIZER_TOOLS[@]}"; do
+    tool_start=$(now)
+    log="$STATE/$tool.log"
+    OCTET_TEST_SMALL=1 timeout "$SANITIZER_TIMEOUT" "$sanitizer" --tool "$tool" \
+      --error-exitcode "$SANITIZER_ERROR_EXITCODE" "$TESTS_BIN" --gtest_filter="$filter" \
+      --gtest_brief=1 >"$log" 2>&1
+    rc=$?
+    errors=$(error_count "$log")
+    {
+      echo
+      echo "=== $tool: exit $rc, errors $errors, $(($(now) - tool_start))s"
+      cat "$log"
+    } >>"$OUT/sanitizer.log"
+    record "sanitizer_$tool" "$errors errors, exit $rc, $(($(now) - tool_start))s"
+    if [[ $rc -eq 124 ]]; then
+      fail sanitize "$tool timed out after ${SANITIZER_TIMEOUT}s"
+    elif [[ "$errors" != "0" ]]; then
+      fail sanitize "$tool reported $errors errors (sanitizer.log)"
+    elif [[ $rc -ne 0 ]]; then
+      fail sanitize "$tool run exited $rc: tests failed under the sanitizer (sanitizer.log)"
+    fi
+  done
+  record sanitize_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
+stage_bench() {
+  local start rc args
+  start=$(now)
+  if [[ ! -x "$BENCH_BIN" ]]; then
+    fail bench "no $BENCH_BIN (build failed, or Google Benchmark not found)"
+    return
+  fi
+  rm -f "$OUT/bench.json"
+  args=(--benchmark_out="$OUT/bench.json" --benchmark_out_format=json)
+  [[ -n "${BENCH_FILTER:-}" ]] && args+=(--benchmark_filter="$BENCH_FILTER")
+  timeout "$BENCH_TIMEOUT" "$BENCH_BIN" "${args[@]}" >"$OUT/bench.log" 2>&1
+  rc=$?
+  record bench_rc "$rc"
+  [[ $rc -eq 124 ]] && fail bench "timed out after ${BENCH_TIMEOUT}s (bench.log)"
+  [[ $rc -ne 0 && $rc -ne 124 ]] && fail bench "octet_bench exited $rc (bench.log)"
+  record bench_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
+# Reads the results, tests.json and bench.json; prints the summary and records bench failures.
+summarize() {
+  python3 - "$STATE" "$OUT" "$@" <<'EOF'
+import json, os, re, sys
+state, out, stages = sys.argv[1], sys.argv[2], sys.argv[3:]
+results = []
+path = os.path.join(state, "results.tsv")
+if os.path.exists(path):
+    with open(path) as f:
+        results = [line.rstrip("\n").split("\t", 1) for line in f if "\t" in line]
+value = {k: v for k, v in results}
+failures = [v for k, v in results if k == "failure"]
+lines = []
+
+def gpu():
+    text = os.popen("nvidia-smi --query-gpu=name,driver_version --format=csv,noheader "
+                    "2>/dev/null").read().strip()
+    return text or "unknown (nvidia-smi failed)"
+
+lines.append("octet gpu-check  " + os.popen("date -u +%Y-%m-%dT%H:%M:%SZ").read().strip())
+lines.append("gpu: " + gpu())
+lines.append("commit: " + (os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
+                          or "unknown"))
+lines.append("stages: " + " ".join(stages) + "  (" + ", ".join(
+    f"{s} {value[s + '_seconds']}s" for s in stages if s + "_seconds" in value) + ")")
+info = os.path.join(state, "build_info.txt")
+if "build" in stages and os.path.exists(info):
+    for line in open(info):
+        lines.append("build: " + line.strip().lstrip("- "))
+
+# Tests: gtest's JSON (a test failed when it has failures; skipped when result is SKIPPED).
+if "test" in stages:
+    tests_json = os.path.join(out, "tests.json")
+    if os.path.exists(tests_json):
+        data = json.load(open(tests_json))
+        passed = failed = skipped = 0
+        failed_names = []
+        for suite in data.get("testsuites", []):
+            for case in suite.get("testsuite", []):
+                if case.get("status") == "NOTRUN":
+                    continue
+                if case.get("failures"):
+                    failed += 1
+                    failed_names.append(suite["name"] + "." + case["name"])
+                elif case.get("result") == "SKIPPED":
+                    skipped += 1
+                else:
+                    passed += 1
+        lines.append(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
+        for name in failed_names[:10]:
+            lines.append("  FAILED " + name)
+        if len(failed_names) > 10:
+            lines.append(f"  ... and {len(failed_names) - 10} more (tests.log)")
+    elif not os.path.exists(os.path.join(out, "tests.log")):
+        lines.append("tests: not run")
+    else:
+        # No JSON (a crash or a timeout): count what gtest printed before it stopped.
+        log = os.path.join(out, "tests.log")
+        text = open(log, errors="replace").read() if os.path.exists(log) else ""
+        ok = len(re.findall(r"^\[       OK \]", text, re.M))
+        bad = len(re.findall(r"^\[  FAILED  \] \S+\.\S+ \(", text, re.M))
+        skip = len(re.findall(r"^\[  SKIPPED \] \S+\.\S+ \(", text, re.M))
+        lines.append(f"tests: no tests.json (exit {value.get('test_rc', '-')}); tests.log shows "
+                     f"{ok} passed, {bad} failed, {skip} skipped before it ended")
+
+if "sanitize" in stages:
+    lines.append("sanitizer (%s tests, OCTET_TEST_SMALL=1):" % value.get("sanitizer_tests", "0"))
+    for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
+        lines.append(f"  {tool:<10} " + value.get("sanitizer_" + tool, "not run"))
+
+# Benchmarks: the median aggregate of each run (or its single run), with its ceiling and ratio.
+if "bench" in stages:
+    bench_json = os.path.join(out, "bench.json")
+    runs = {}
+    try:
+        data = json.load(open(bench_json))
+        for b in data.get("benchmarks", []):
+            # Drop the settings Google Benchmark appends ("/iterations:10/manual_time").
+            name = re.sub(r"/(iterations:\d+|repeats:\d+|manual_time|real_time)", "",
+                          b.get("run_name", b["name"]))
+            if b.get("error_occurred"):
+                runs[name] = b
+            elif b.get("run_type") == "aggregate":
+                if b.get("aggregate_name") == "median":
+                    runs[name] = b
+            else:
+                runs.setdefault(name, b)
+        reps = [b.get("repetitions") for b in data.get("benchmarks", []) if "repetitions" in b]
+        lines.append("bench: %d benchmarks, median of %s repetitions; ceilings measured in this "
+                     "run" % (len(runs), reps[0] if reps else "?"))
+    except (OSError, ValueError, KeyError) as e:
+        ran = os.path.exists(os.path.join(out, "bench.log"))
+        lines.append(f"bench: no usable bench.json ({e}); see bench.log" if ran
+                     else "bench: not run")
+    unsupported = 0
+    for name, b in runs.items():
+        if b.get("error_occurred"):
+            message = b.get("error_message", "")
+            if message.startswith("unsupported: "):
+                unsupported += 1
+                lines.append(f"  {name:<52} skipped: {message[13:][:90]}")
+            else:
+                failures.append(f"bench: {name}: {message}")
+                lines.append(f"  {name:<52} ERROR: {message[:90]}")
+            continue
+        if "/cublaslt/" in name:
+            continue  # the raw call is the octet row's ceiling; its ratio is only a noise check
+        ms = b.get("ms", 0.0)
+        if "GBps" in b:
+            lines.append(f"  {name:<52} {ms:8.3f} ms {b['GBps']:8.0f} GB/s  "
+                         f"ceiling {b['ceiling_GBps']:6.0f} GB/s  ratio {b['ratio']:.3f}")
+        elif "TFLOPS" in b:
+            lines.append(f"  {name:<52} {ms:8.3f} ms {b['TFLOPS']:8.1f} TFLOP/s  "
+                         f"ceiling {b['ceiling_TFLOPS']:6.1f} TFLOP/s  ratio {b['ratio']:.3f}")
+        else:
+            lines.append(f"  {name:<52} {ms:8.3f} ms")
+    if unsupported:
+        lines.append(f"  ({unsupported} skipped as unsupported by the library)")
+
+lines.append("result: " + ("FAILED" if failures else "OK"))
+for f in failures:
+    lines.append("  " + f)
+text = "\n".join(lines) + "\n"
+open(os.path.join(out, "summary.txt"), "w").write(text)
+sys.stdout.write(text)
+sys.exit(1 if failures else 0)
+EOF
+}
+
+# ------------------------------------------------------------------------------------------------
+main() {
+  local stages=("$@") stage
+  [[ ${#stages[@]} -eq 0 ]] && stages=(build test sanitize bench)
+  for stage in "${stages[@]}"; do
+    case "$stage" in
+      build | test | sanitize | bench) ;;
+      *)
+        echo "gpu-check: unknown stage '$stage' (build test sanitize bench)" >&2
+        return 2
+        ;;
+    esac
+  done
+  : >"$STATE/results.tsv"
+  local done_stages=()
+  for stage in "${stages[@]}"; do
+    echo "gpu-check: $stage ..." >&2
+    "stage_$stage"
+    done_stages+=("$stage")
+    # A summary after every stage, so one survives a run cut short by the device's time limit.
+    summarize "${done_stages[@]}" >/dev/null
+  done
+  summarize "${stages[@]}"
+}
+
+main "$@"
