@@ -1,0 +1,39 @@
+// The one way every op entry point runs its backend: validate first (in the op's own file), then
+// dispatch() under a DeviceGuard for the tensors' device and an NVTX range named after the op.
+#pragma once
+
+#include <initializer_list>
+
+#include "core/nvtx.h"
+#include "octet/core/device.h"
+#include "octet/core/tensor.h"
+
+namespace octet::ops {
+
+/// Runs `on_cpu` or `on_cuda` for `device` under a device guard and an NVTX range named `op`.
+/// Without the CUDA backend a GPU device gets a clear error, and `on_cuda` is never called (the
+/// caller wraps the cuda:: call in #if OCTET_WITH_CUDA).
+template <typename OnCpu, typename OnCuda>
+void dispatch(const Device& device, const char* op, OnCpu&& on_cpu, OnCuda&& on_cuda) {
+#if !OCTET_WITH_CUDA
+  OCTET_CHECK(device.is_cpu(), op, ": tensors on ", device,
+              " need the CUDA backend, but octet was built without CUDA");
+#endif
+  DeviceGuard guard(device);
+  NvtxRange range(op);
+  if (device.is_cpu()) {
+    on_cpu();
+  } else {
+    on_cuda();
+  }
+}
+
+/// Throws unless `t` is defined with dtype f32 or bf16, naming `op` and `what`.
+inline void check_float_activation(const Tensor& t, const char* op, const char* what) {
+  OCTET_CHECK(t.defined(), op, ": ", what, " is an undefined tensor");
+  OCTET_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, op, ": unsupported dtype for ",
+              what, ": expected f32 or bf16, got ", t.describe());
+  OCTET_CHECK(t.numel() > 0, op, ": ", what, " is an empty tensor (", t.describe(), ")");
+}
+
+}  // namespace octet::ops
