@@ -84,8 +84,8 @@ TEST(FormatExhaustive, E8M0RoundUpMatchesCuda) {
 ::testing::AssertionResult same_float(float expected, float actual) {
   if (std::isnan(expected) && std::isnan(actual)) return ::testing::AssertionSuccess();
   if (float_bits(expected) == float_bits(actual)) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "expected " << std::hexfloat << expected << ", got "
-                                       << actual;
+  return ::testing::AssertionFailure()
+         << "expected " << std::hexfloat << expected << ", got " << actual;
 }
 
 float half_raw_to_float(__half_raw h) { return __half2float(__half(h)); }
@@ -183,18 +183,18 @@ TEST(FormatEdgeCases, E8M0RoundsUpToAPowerOfTwo) {
     uint8_t e8m0;
   };
   const Case cases[] = {
-      {0.0f, 0},             // 2^-127 is the smallest E8M0 value
-      {0x1p-149f, 0},        // the smallest float subnormal rounds up to 2^-127
-      {0x1p-127f, 0},        // exact
-      {0x1.000004p-127f, 1}, // just above 2^-127 (a float subnormal) -> 2^-126
-      {0x1p-126f, 1},        // exact
-      {1.0f, 127},           // exact
-      {1.5f, 128},           // -> 2
-      {3.0f, 129},           // -> 4
-      {0x1p127f, 254},       // the largest E8M0 value
+      {0.0f, 0},              // 2^-127 is the smallest E8M0 value
+      {0x1p-149f, 0},         // the smallest float subnormal rounds up to 2^-127
+      {0x1p-127f, 0},         // exact
+      {0x1.000004p-127f, 1},  // just above 2^-127 (a float subnormal) -> 2^-126
+      {0x1p-126f, 1},         // exact
+      {1.0f, 127},            // exact
+      {1.5f, 128},            // -> 2
+      {3.0f, 129},            // -> 4
+      {0x1p127f, 254},        // the largest E8M0 value
       {0x1.000002p126f, 254},
-      {FLT_MAX, 254},        // saturates
-      {kInf, 254},           // saturates
+      {FLT_MAX, 254},  // saturates
+      {kInf, 254},     // saturates
       {kNaN, kE8M0NaN},
   };
   for (const Case& c : cases) {

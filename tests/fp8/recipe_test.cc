@@ -17,13 +17,13 @@
 namespace octet {
 namespace {
 
-using ::testing::HasSubstr;
 using fp8::AmaxAlgo;
 using fp8::Fp8Format;
 using fp8::Recipe;
 using fp8::RecipeKind;
 using fp8::ScalingMode;
 using fp8::TensorRole;
+using ::testing::HasSubstr;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -100,8 +100,7 @@ TEST(Recipe, RoleNamesAndSlots) {
 }
 
 TEST(Recipe, NamesRoundTrip) {
-  const Recipe recipes[] = {Recipe::delayed(), Recipe::current(), Recipe::block(),
-                            Recipe::mxfp8()};
+  const Recipe recipes[] = {Recipe::delayed(), Recipe::current(), Recipe::block(), Recipe::mxfp8()};
   const char* names[] = {"fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8"};
   for (int i = 0; i < 4; ++i) {
     SCOPED_TRACE(names[i]);
@@ -238,8 +237,8 @@ std::vector<HostGroup> run_update(const std::vector<HostGroup>& groups, const De
 ::testing::AssertionResult same_bits(const std::vector<float>& expected,
                                      const std::vector<float>& actual) {
   if (expected.size() != actual.size())
-    return ::testing::AssertionFailure() << "sizes differ: " << expected.size() << " vs "
-                                         << actual.size();
+    return ::testing::AssertionFailure()
+           << "sizes differ: " << expected.size() << " vs " << actual.size();
   for (size_t i = 0; i < expected.size(); ++i)
     if (fp8::float_bits(expected[i]) != fp8::float_bits(actual[i]))
       return ::testing::AssertionFailure() << "element " << i << ": expected " << std::hexfloat
@@ -268,8 +267,8 @@ class DelayedScaling : public ::testing::TestWithParam<Device> {
              int margin, AmaxAlgo algo) {
     const std::vector<HostGroup> actual = run_update(groups, GetParam(), margin, algo);
     expect_groups_equal(expected, actual);
-    if (GetParam().is_cuda()) expect_groups_equal(run_update(groups, Device::cpu(), margin, algo),
-                                                  actual);
+    if (GetParam().is_cuda())
+      expect_groups_equal(run_update(groups, Device::cpu(), margin, algo), actual);
   }
 
   /// The reference's answer for random groups.
@@ -322,8 +321,8 @@ TEST_P(DelayedScaling, MaxAndMostRecent) {
   HostGroup g;
   g.len = 3;
   g.n = 2;
-  g.history = {1.75f, 14.0f,   // row 0: the pass just finished
-               3.5f, 7.0f,     // row 1
+  g.history = {1.75f,  14.0f,  // row 0: the pass just finished
+               3.5f,   7.0f,   // row 1
                0.875f, 3.5f};  // row 2
   g.scale = {1, 1};
   g.scale_inv = {1, 1};
@@ -441,8 +440,7 @@ class CurrentScaling : public ::testing::TestWithParam<Device> {
   void SetUp() override { OCTET_SKIP_IF_UNAVAILABLE(GetParam()); }
 
   /// {scale, scale_inv} computed on `device` from `amax`.
-  static std::vector<float> run(const Device& device, float amax, float fp8_max,
-                                bool power_of_2) {
+  static std::vector<float> run(const Device& device, float amax, float fp8_max, bool power_of_2) {
     Tensor a = Tensor::from_vector({amax}, {1}).to(device);
     Tensor scale = Tensor::from_vector({-1.0f}, {1}).to(device);
     Tensor scale_inv = Tensor::from_vector({-1.0f}, {1}).to(device);
@@ -451,8 +449,8 @@ class CurrentScaling : public ::testing::TestWithParam<Device> {
   }
 
   void check(float amax, float fp8_max, bool power_of_2, float expected_scale) {
-    SCOPED_TRACE(::testing::Message() << "amax " << std::hexfloat << amax << " fp8_max "
-                                      << fp8_max << " power_of_2 " << power_of_2);
+    SCOPED_TRACE(::testing::Message() << "amax " << std::hexfloat << amax << " fp8_max " << fp8_max
+                                      << " power_of_2 " << power_of_2);
     const std::vector<float> actual = run(GetParam(), amax, fp8_max, power_of_2);
     EXPECT_TRUE(same_bits({expected_scale, 1.0f / expected_scale}, actual));
     if (GetParam().is_cuda())
@@ -469,8 +467,8 @@ TEST_P(CurrentScaling, HandDerivedValues) {
   check(0.0f, fp8::kE4M3Max, true, 1.0f);
   check(kInf, fp8::kE4M3Max, false, 1.0f);
   check(kNaN, fp8::kE5M2Max, true, 1.0f);
-  check(0x1p-149f, fp8::kE4M3Max, false, FLT_MAX);   // overflow clamps
-  check(0x1p-149f, fp8::kE4M3Max, true, 0x1p127f);   // FLT_MAX rounded down
+  check(0x1p-149f, fp8::kE4M3Max, false, FLT_MAX);  // overflow clamps
+  check(0x1p-149f, fp8::kE4M3Max, true, 0x1p127f);  // FLT_MAX rounded down
 }
 
 TEST_P(CurrentScaling, RandomAmaxesMatchReference) {
@@ -511,9 +509,7 @@ TEST(ScalingBadInput, DelayedScalingArguments) {
               HasSubstr("count must be >= 0, got -1"));
   EXPECT_THAT(error_of([&] { ops::update_delayed_scaling(nullptr, 2, 0, AmaxAlgo::max); }),
               HasSubstr("groups is null but count is 2"));
-  EXPECT_THAT(error_of([&] {
-                ops::update_delayed_scaling(&ok, 1, 0, static_cast<AmaxAlgo>(5));
-              }),
+  EXPECT_THAT(error_of([&] { ops::update_delayed_scaling(&ok, 1, 0, static_cast<AmaxAlgo>(5)); }),
               HasSubstr("unknown amax algorithm code 5"));
 }
 
