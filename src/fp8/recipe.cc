@@ -23,17 +23,19 @@ constexpr std::array<KindName, 4> kKindNames{{
 }};
 
 bool valid_role(TensorRole role) {
-  return role == TensorRole::input || role == TensorRole::weight ||
-         role == TensorRole::grad_output;
+  return role == TensorRole::input || role == TensorRole::weight || role == TensorRole::grad_output;
 }
 
 }  // namespace
 
 std::string_view role_name(TensorRole role) {
   switch (role) {
-    case TensorRole::input: return "input";
-    case TensorRole::weight: return "weight";
-    case TensorRole::grad_output: return "grad_output";
+    case TensorRole::input:
+      return "input";
+    case TensorRole::weight:
+      return "weight";
+    case TensorRole::grad_output:
+      return "grad_output";
   }
   return "?";
 }
@@ -75,18 +77,19 @@ DType Recipe::dtype_for(TensorRole role) const {
   OCTET_CHECK(valid_role(role), "unknown tensor role code ", static_cast<int>(role));
   // The format decides for every kind (as in TE, block and MXFP8 recipes may be HYBRID too);
   // the block and mxfp8 factories choose E4M3.
-  return format == Fp8Format::hybrid && role == TensorRole::grad_output ? DType::e5m2
-                                                                        : DType::e4m3;
+  return format == Fp8Format::hybrid && role == TensorRole::grad_output ? DType::e5m2 : DType::e4m3;
 }
 
 ScalingMode Recipe::mode_for(TensorRole role) const {
   OCTET_CHECK(valid_role(role), "unknown tensor role code ", static_cast<int>(role));
   switch (kind) {
     case RecipeKind::delayed:
-    case RecipeKind::current: return ScalingMode::per_tensor;
+    case RecipeKind::current:
+      return ScalingMode::per_tensor;
     case RecipeKind::block:
       return role == TensorRole::weight ? ScalingMode::block_128x128 : ScalingMode::block_1x128;
-    case RecipeKind::mxfp8: return ScalingMode::mxfp8_1x32;
+    case RecipeKind::mxfp8:
+      return ScalingMode::mxfp8_1x32;
   }
   OCTET_ERROR("unknown recipe kind code ", static_cast<int>(kind));
 }
@@ -95,12 +98,11 @@ void Recipe::validate() const {
   OCTET_CHECK(kind == RecipeKind::delayed || kind == RecipeKind::current ||
                   kind == RecipeKind::block || kind == RecipeKind::mxfp8,
               "unknown recipe kind code ", static_cast<int>(kind));
-  OCTET_CHECK(format == Fp8Format::e4m3 || format == Fp8Format::hybrid,
-              "unknown FP8 format code ", static_cast<int>(format), "; expected e4m3 or hybrid");
+  OCTET_CHECK(format == Fp8Format::e4m3 || format == Fp8Format::hybrid, "unknown FP8 format code ",
+              static_cast<int>(format), "; expected e4m3 or hybrid");
   if (kind != RecipeKind::delayed) return;  // the remaining fields are delayed scaling's
   OCTET_CHECK(amax_history_len >= 1 && amax_history_len <= kMaxAmaxHistoryLen,
-              "amax_history_len must be in [1, ", kMaxAmaxHistoryLen, "], got ",
-              amax_history_len);
+              "amax_history_len must be in [1, ", kMaxAmaxHistoryLen, "], got ", amax_history_len);
   OCTET_CHECK(margin >= 0, "margin must be >= 0 (scale is divided by 2^margin), got ", margin);
   OCTET_CHECK(amax_compute_algo == AmaxAlgo::max || amax_compute_algo == AmaxAlgo::most_recent,
               "unknown amax_compute_algo code ", static_cast<int>(amax_compute_algo),
@@ -117,10 +119,14 @@ Recipe recipe_from_name(std::string_view name) {
   for (const auto& k : kKindNames) {
     if (k.name != name) continue;
     switch (k.kind) {
-      case RecipeKind::delayed: return Recipe::delayed();
-      case RecipeKind::current: return Recipe::current();
-      case RecipeKind::block: return Recipe::block();
-      case RecipeKind::mxfp8: return Recipe::mxfp8();
+      case RecipeKind::delayed:
+        return Recipe::delayed();
+      case RecipeKind::current:
+        return Recipe::current();
+      case RecipeKind::block:
+        return Recipe::block();
+      case RecipeKind::mxfp8:
+        return Recipe::mxfp8();
     }
   }
   OCTET_ERROR("unknown recipe '", name,

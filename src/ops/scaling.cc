@@ -55,8 +55,7 @@ void dispatch(const Device& device, const char* op, OnCpu on_cpu, OnCuda on_cuda
 
 }  // namespace
 
-void update_delayed_scaling(const ScalingGroup* groups, int count, int margin,
-                            fp8::AmaxAlgo algo) {
+void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, fp8::AmaxAlgo algo) {
   constexpr const char* op = "update_delayed_scaling";
   OCTET_CHECK(count >= 0, op, ": count must be >= 0, got ", count);
   OCTET_CHECK(count == 0 || groups != nullptr, op, ": groups is null but count is ", count);

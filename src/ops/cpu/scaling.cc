@@ -35,8 +35,7 @@ float history_amax(const float* history, int64_t len, int64_t n, int64_t j, fp8:
 
 }  // namespace
 
-void update_delayed_scaling(const ScalingGroup* groups, int count, int margin,
-                            fp8::AmaxAlgo algo) {
+void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, fp8::AmaxAlgo algo) {
   // 2^-margin, exact: the dispatcher bounds margin so that it is a nonzero float.
   const float margin_factor = std::ldexp(1.0f, -margin);
   for (int g = 0; g < count; ++g) {
