@@ -3,6 +3,8 @@
 #include "octet/ops/scaling.h"
 
 #include <cmath>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "core/nvtx.h"
@@ -28,7 +30,7 @@ void check_f32_shape(const Tensor& t, const Shape& shape, const char* op, const 
               shape_str(shape), ", got ", t.describe());
 }
 
-/// Throws unless every tensor is on `device`, naming the first one that is not.
+/// Throws unless every tensor is on the first one's device, naming the first that is not.
 void check_same_device(const std::vector<std::pair<const Tensor*, std::string>>& tensors,
                        const char* op) {
   const auto& [first, first_name] = tensors.front();
