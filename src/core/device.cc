@@ -45,7 +45,7 @@ void check_device_available(const Device& device) {
   if (device.is_cpu()) return;
   OCTET_CHECK(built_with_cuda(), "device ", device, " requested, but octet was built without CUDA");
   int count = cuda_device_count();
-  OCTET_CHECK(device.index < count, "device ", device, " requested, but ", count,
+  OCTET_CHECK(device.index >= 0 && device.index < count, "device ", device, " requested, but ", count,
               " CUDA GPU(s) are visible");
 }
 
