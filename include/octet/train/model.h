@@ -41,10 +41,22 @@ struct Parameter {
   bool weight_decay = true;  ///< false for biases, norms and (tied) embeddings' position table
 };
 
-/// One FP8 GEMM module, for statistics and checkpoints.
+/// One FP8 GEMM module, for statistics and checkpoints. Under fp8 precision the model creates
+/// every module's FP8 state at construction (on the module's device) and registers it, so a
+/// checkpoint can be restored into it before the first step.
 struct Fp8Module {
   std::string name;  ///< e.g. "blocks.3.mlp.fc1"
   const nn::Linear* linear = nullptr;
+  std::shared_ptr<nn::FP8State> state;
+};
+
+/// Quantization health of one FP8 module's input at the last statistics step.
+struct Fp8InputStats {
+  std::string name;
+  float amax = 0;                ///< max |x| of the input
+  float scale = 0;               ///< the per-tensor scale used (block recipes: 0, per block)
+  double saturated_fraction = 0; ///< elements quantized to +-fp8_max
+  double underflow_fraction = 0; ///< non-zero elements quantized to 0
 };
 
 class GPT {
@@ -77,6 +89,12 @@ class GPT {
   /// The FP8 GEMM modules in registration order.
   std::vector<Fp8Module> fp8_modules() const;
   nn::AmaxRegistry& registry();
+
+  /// When on, the next train_microbatch also measures Fp8InputStats for every FP8 module
+  /// (it copies the inputs to the host: use it every N steps, not every step).
+  void set_collect_fp8_stats(bool on);
+  /// The statistics of the last microbatch that collected them.
+  std::vector<Fp8InputStats> fp8_input_stats() const;
 
   void zero_grad();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward.
