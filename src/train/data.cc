@@ -63,7 +63,9 @@ class SplitMix64 {
 class WindowOrder {
  public:
   WindowOrder(uint64_t n, uint64_t key)
-      : n_(n), key_(key), half_bits_(std::max(1, static_cast<int>(std::bit_width(n - 1) + 1) / 2)) {}
+      : n_(n),
+        key_(key),
+        half_bits_(std::max(1, static_cast<int>(std::bit_width(n - 1) + 1) / 2)) {}
   uint64_t operator()(uint64_t index) const {
     uint64_t x = index;
     do {
@@ -213,7 +215,7 @@ std::unique_ptr<TokenSource> byte_source(uint64_t seed, std::string description,
 
 std::string read_file_bytes(const std::string& path, const char* what) {
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
-                                                         &std::fclose);
+                                                       &std::fclose);
   if (!file) OCTET_ERROR("cannot open ", what, " '", path, "': ", std::strerror(errno));
   std::string bytes;
   std::array<char, 1 << 16> buffer;
@@ -316,7 +318,7 @@ constexpr std::array<char, 3> kOperators{'+', '-', '*'};
 // One line in five is an English sentence; the rest is arithmetic.
 constexpr int kSentenceOneIn = 5;
 
-constexpr std::array<std::string_view, 8> kNames{"Alice", "Bob",  "Carol", "Dave",
+constexpr std::array<std::string_view, 8> kNames{"Alice", "Bob",   "Carol", "Dave",
                                                  "Erin",  "Frank", "Grace", "Heidi"};
 // Nouns whose plural adds "s".
 constexpr std::array<std::string_view, 8> kNouns{"apple", "book", "cat", "dog",
@@ -383,8 +385,10 @@ std::string to_string(const DataPosition& position) {
 
 DataPosition parse_data_position(const std::string& text) {
   const auto fail = [&text]() -> DataPosition {
-    OCTET_ERROR("expected a data position {\"epoch\":E,\"cursor\":C,\"rng_state\":R} with "
-                "non-negative integers, got '", text, "'");
+    OCTET_ERROR(
+        "expected a data position {\"epoch\":E,\"cursor\":C,\"rng_state\":R} with "
+        "non-negative integers, got '",
+        text, "'");
   };
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (!j.is_object() || j.size() != 3) return fail();
@@ -413,8 +417,8 @@ void TokenSource::check_batch_shape(Split split, int batch, int seq) const {
   const int64_t tokens = size(split);
   if (tokens < int64_t{seq} + 1)
     OCTET_ERROR("sequence longer than the data: seq ", seq, " needs ", int64_t{seq} + 1,
-                " tokens, the ", split == Split::train ? "train" : "val", " split of ",
-                describe(), " has ", tokens);
+                " tokens, the ", split == Split::train ? "train" : "val", " split of ", describe(),
+                " has ", tokens);
 }
 
 namespace {

@@ -130,8 +130,8 @@ std::string checkpoint_header(const std::vector<std::pair<std::string, Tensor>>&
 uint64_t json_offset(const nlohmann::json& value, const std::string& file, const std::string& name,
                      const char* field) {
   if (!value.is_number_unsigned() || value.get<uint64_t>() > kMaxOffset)
-    OCTET_ERROR("checkpoint '", file, "': tensor '", name, "' has ", field, " value ",
-                value.dump(), " out of range; expected an integer in [0, 2^63)");
+    OCTET_ERROR("checkpoint '", file, "': tensor '", name, "' has ", field, " value ", value.dump(),
+                " out of range; expected an integer in [0, 2^63)");
   return value.get<uint64_t>();
 }
 
@@ -147,8 +147,7 @@ ParsedEntry parse_entry(const std::string& file, const std::string& name,
   const auto fail = [&](const std::string& why) -> ParsedEntry {
     OCTET_ERROR("checkpoint '", file, "': tensor '", name, "' ", why);
   };
-  if (!value.is_object())
-    return fail("expected {dtype, shape, data_offsets}, got " + value.dump());
+  if (!value.is_object()) return fail("expected {dtype, shape, data_offsets}, got " + value.dump());
   if (!value.contains("dtype") || !value["dtype"].is_string()) return fail("has no dtype string");
   const std::string dtype_text = value["dtype"].get<std::string>();
   const auto dtype = std::find_if(kDTypeNames.begin(), kDTypeNames.end(),
@@ -157,8 +156,7 @@ ParsedEntry parse_entry(const std::string& file, const std::string& name,
     return fail("has unknown dtype '" + dtype_text + "'; expected one of " + known_dtype_names());
 
   ParsedEntry entry{name, dtype->dtype, {}, 0, 0};
-  if (!value.contains("shape") || !value["shape"].is_array())
-    return fail("has no shape array");
+  if (!value.contains("shape") || !value["shape"].is_array()) return fail("has no shape array");
   uint64_t bytes = dtype_size(entry.dtype);
   for (const nlohmann::json& extent : value["shape"]) {
     const uint64_t n = json_offset(extent, file, name, "shape");
@@ -218,8 +216,7 @@ std::string safetensors_dtype_name(DType dtype) {
   OCTET_ERROR("dtype ", dtype_name(dtype), " has no safetensors name");
 }
 
-void write_file_atomically(const std::string& path,
-                           const std::function<void(std::FILE*)>& write) {
+void write_file_atomically(const std::string& path, const std::function<void(std::FILE*)>& write) {
   const bool existed = std::filesystem::exists(path);
   const std::string temp = path + ".tmp." + std::to_string(::getpid());
   std::FILE* file = std::fopen(temp.c_str(), "wb");
@@ -340,8 +337,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
                   value.type_name());
     for (const auto& [meta_key, meta_value] : value.items()) {
       if (!meta_value.is_string())
-        OCTET_ERROR("checkpoint '", path, "': metadata '", meta_key,
-                    "' must be a string, got ", meta_value.dump());
+        OCTET_ERROR("checkpoint '", path, "': metadata '", meta_key, "' must be a string, got ",
+                    meta_value.dump());
       out.metadata_[meta_key] = meta_value.get<std::string>();
     }
   }

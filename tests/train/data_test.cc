@@ -21,10 +21,10 @@ std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
 namespace octet::train {
 namespace {
 
-using ::testing::HasSubstr;
 using octet::testing::bitwise_equal;
 using octet::testing::fresh_seed;
 using octet::testing::scratch_dir;
+using ::testing::HasSubstr;
 
 // ----------------------------------------------------------------------------
 // Helpers
@@ -210,14 +210,17 @@ TEST(TokenSourceOrder, BuiltinResumeIsBitwise) {
 TEST(DataPosition, TextRoundTripAndErrors) {
   const DataPosition p{3, 17, 0xfedcba9876543210ULL};
   EXPECT_EQ(parse_data_position(to_string(p)), p);
-  for (const std::string bad :
-       {"", "{}", "[1,2,3]", "{\"epoch\":1,\"cursor\":2}", "{\"epoch\":-1,\"cursor\":0,\"rng_state\":1}",
-        "{\"epoch\":1.5,\"cursor\":0,\"rng_state\":1}", "{\"epoch\":1,\"cursor\":0,\"rng_state\":\"x\"}"}) {
+  for (const std::string bad : {"", "{}", "[1,2,3]", "{\"epoch\":1,\"cursor\":2}",
+                                "{\"epoch\":-1,\"cursor\":0,\"rng_state\":1}",
+                                "{\"epoch\":1.5,\"cursor\":0,\"rng_state\":1}",
+                                "{\"epoch\":1,\"cursor\":0,\"rng_state\":\"x\"}"}) {
     EXPECT_THAT(error_of([&] { parse_data_position(bad); }), HasSubstr("expected a data position"))
         << bad;
   }
   CountingSource source(1, 100, 10);
-  EXPECT_THAT(error_of([&] { source.set_position({-1, 0, 0}); }),
+  EXPECT_THAT(error_of([&] {
+                source.set_position({-1, 0, 0});
+              }),
               HasSubstr("expected a non-negative epoch and cursor"));
 }
 
@@ -321,8 +324,7 @@ TEST(ArithmeticEval, AccuracyCountsExactAnswersUpToNewline) {
   };
   EXPECT_EQ(evaluate_arithmetic(oracle, 97, seed), 1.0);
   EXPECT_EQ(calls, 97);
-  EXPECT_EQ(evaluate_arithmetic([](const std::string&, int) { return std::string("x"); }, 50,
-                                seed),
+  EXPECT_EQ(evaluate_arithmetic([](const std::string&, int) { return std::string("x"); }, 50, seed),
             0.0);
   // Right only on additions, and "answer + extra digit" is wrong.
   const auto problems = arithmetic_problems(200, seed);
@@ -401,8 +403,7 @@ TEST(BinSource, ShardsConcatenateInSortedOrderWithValFiles) {
     std::vector<uint16_t> row(b.inputs.data<int32_t>() + r * 33,
                               b.inputs.data<int32_t>() + (r + 1) * 33);
     row.push_back(static_cast<uint16_t>(b.targets.data<int32_t>()[r * 33 + 32]));
-    EXPECT_NE(std::search(expected.begin(), expected.end(), row.begin(), row.end()),
-              expected.end())
+    EXPECT_NE(std::search(expected.begin(), expected.end(), row.begin(), row.end()), expected.end())
         << "row " << r << " is not a window of the train shards";
   }
 }
@@ -429,7 +430,7 @@ TEST(BinSource, WithoutValFilesTheLastTenthIsVal) {
 struct BadSourceCase {
   const char* name;
   std::function<std::string(const std::filesystem::path& dir)> make;  ///< returns the spec
-  std::vector<std::string> expected;                                   ///< message substrings
+  std::vector<std::string> expected;                                  ///< message substrings
 };
 
 std::string shard_spec(const std::filesystem::path& dir, const ShardSpec& spec) {
@@ -445,15 +446,15 @@ TEST_P(BadSource, ThrowsAClearError) {
   const auto dir = scratch_dir();
   const std::string spec = GetParam().make(dir);
   const std::string message = error_of([&] { make_token_source(spec, 1); });
-  for (const std::string& expected : GetParam().expected)
-    EXPECT_THAT(message, HasSubstr(expected));
+  for (const std::string& expected : GetParam().expected) EXPECT_THAT(message, HasSubstr(expected));
   EXPECT_EQ(message.find('\n'), std::string::npos) << "one line: " << message;
 }
 
 INSTANTIATE_TEST_SUITE_P(
     DataSpecs, BadSource,
     ::testing::Values(
-        BadSourceCase{"UnknownSpec", [](auto&) { return std::string("csv:foo"); },
+        BadSourceCase{"UnknownSpec",
+                      [](auto&) { return std::string("csv:foo"); },
                       {"unknown data source 'csv:foo'", "builtin, text:PATH or bin:GLOB"}},
         BadSourceCase{"MissingTextFile",
                       [](auto& dir) { return "text:" + (dir / "nope.txt").string(); },
@@ -465,10 +466,14 @@ INSTANTIATE_TEST_SUITE_P(
                       },
                       {"empty.txt' is empty"}},
         BadSourceCase{"WrongMagic",
-                      [](auto& dir) { return shard_spec(dir, {kSomeTokens, 20240519}); },
+                      [](auto& dir) {
+                        return shard_spec(dir, {kSomeTokens, 20240519});
+                      },
                       {"shard.bin", "expected magic 20240520, got 20240519"}},
         BadSourceCase{"WrongVersion",
-                      [](auto& dir) { return shard_spec(dir, {kSomeTokens, 20240520, 2}); },
+                      [](auto& dir) {
+                        return shard_spec(dir, {kSomeTokens, 20240520, 2});
+                      },
                       {"expected version 1, got 2"}},
         BadSourceCase{"TooManyBytes",
                       [](auto& dir) {
@@ -481,10 +486,14 @@ INSTANTIATE_TEST_SUITE_P(
                       },
                       {"expected 1152 bytes for 64 tokens, got 1151"}},
         BadSourceCase{"CountDisagrees",
-                      [](auto& dir) { return shard_spec(dir, {kSomeTokens, 20240520, 1, 100}); },
+                      [](auto& dir) {
+                        return shard_spec(dir, {kSomeTokens, 20240520, 1, 100});
+                      },
                       {"expected 1224 bytes for 100 tokens, got 1152"}},
         BadSourceCase{"NegativeCount",
-                      [](auto& dir) { return shard_spec(dir, {kSomeTokens, 20240520, 1, -3}); },
+                      [](auto& dir) {
+                        return shard_spec(dir, {kSomeTokens, 20240520, 1, -3});
+                      },
                       {"expected a non-negative token count, got -3"}},
         BadSourceCase{"ShorterThanHeader",
                       [](auto& dir) {

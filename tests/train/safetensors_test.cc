@@ -22,10 +22,10 @@ std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
 namespace octet::train {
 namespace {
 
-using ::testing::HasSubstr;
 using octet::testing::bitwise_equal;
 using octet::testing::fresh_seed;
 using octet::testing::scratch_dir;
+using ::testing::HasSubstr;
 
 constexpr DType kAllDTypes[] = {DType::f32,  DType::bf16, DType::f16, DType::e4m3, DType::e5m2,
                                 DType::e8m0, DType::u8,   DType::u16, DType::i32,  DType::i64};
@@ -126,15 +126,14 @@ TEST_P(SafetensorsRoundTrip, EveryDTypeAndShapeIsBitwise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllDTypes, SafetensorsRoundTrip,
-    ::testing::Combine(::testing::ValuesIn(octet::testing::all_backends()),
-                       ::testing::ValuesIn(kAllDTypes)),
-    [](const auto& info) {
-      std::string device = std::get<0>(info.param).str();
-      std::replace(device.begin(), device.end(), ':', '_');
-      return device + "_" + std::string(dtype_name(std::get<1>(info.param)));
-    });
+INSTANTIATE_TEST_SUITE_P(AllDTypes, SafetensorsRoundTrip,
+                         ::testing::Combine(::testing::ValuesIn(octet::testing::all_backends()),
+                                            ::testing::ValuesIn(kAllDTypes)),
+                         [](const auto& info) {
+                           std::string device = std::get<0>(info.param).str();
+                           std::replace(device.begin(), device.end(), ':', '_');
+                           return device + "_" + std::string(dtype_name(std::get<1>(info.param)));
+                         });
 
 TEST(Safetensors, DTypeNamesFollowTheFormat) {
   EXPECT_EQ(safetensors_dtype_name(DType::f32), "F32");
@@ -162,7 +161,7 @@ TEST(Safetensors, MixedDTypesAndMetadataRoundTrip) {
       {"empty", ""},
       {"unicode", "\xce\xbb \xe2\x86\x92 \xf0\x9f\x94\xa5"},
       {"quotes\"and\\slashes", "line\nbreak\ttab"},
-      {kFormatVersionKey, "999"},  // octet owns this key: replaced by the real version
+      {kFormatVersionKey, "999"},            // octet owns this key: replaced by the real version
       {"octet_dtype.layers.0.f32", "e8m0"},  // and this one: dropped, f32 is not e8m0
   };
   const auto path = scratch_dir() / "mixed.safetensors";
@@ -190,8 +189,8 @@ TEST(Safetensors, ReadsFilesFromOtherWriters) {
       R"({"a":{"dtype":"I32","shape":[2],"data_offsets":[4,12]},)"
       R"("b":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"__metadata__":{"format":"pt"}})"
       "      ";
-  const std::string data = std::string("\x01\x02\x03\x04", 4) +
-                           std::string("\x05\x00\x00\x00\xff\xff\xff\xff", 8);
+  const std::string data =
+      std::string("\x01\x02\x03\x04", 4) + std::string("\x05\x00\x00\x00\xff\xff\xff\xff", 8);
   write_file(path, raw_file(header, data));
   const SafetensorsFile file = load_safetensors(path.string());
   EXPECT_EQ(file.names(), (std::vector<std::string>{"b", "a"}));  // file order
@@ -244,15 +243,22 @@ TEST(SafetensorsAtomic, OverwriteReplacesTheOldFile) {
 TEST(SafetensorsAtomic, InvalidTensorsAreRejectedBeforeTouchingDisk) {
   OldCheckpoint old = write_old_checkpoint();
   const Tensor t = Tensor::zeros({2}, DType::f32);
-  EXPECT_THAT(error_of([&] { save_safetensors(old.path.string(), {{"a", t}, {"b", Tensor()}}, {}); }),
+  EXPECT_THAT(error_of([&] {
+                save_safetensors(old.path.string(), {{"a", t}, {"b", Tensor()}}, {});
+              }),
               HasSubstr("tensor 'b' is undefined"));
-  EXPECT_THAT(error_of([&] { save_safetensors(old.path.string(), {{"a", t}, {"a", t}}, {}); }),
+  EXPECT_THAT(error_of([&] {
+                save_safetensors(old.path.string(), {{"a", t}, {"a", t}}, {});
+              }),
               HasSubstr("duplicate tensor name 'a'"));
-  EXPECT_THAT(error_of([&] { save_safetensors(old.path.string(), {{"__metadata__", t}}, {}); }),
+  EXPECT_THAT(error_of([&] {
+                save_safetensors(old.path.string(), {{"__metadata__", t}}, {});
+              }),
               HasSubstr("other than __metadata__"));
-  EXPECT_THAT(
-      error_of([&] { save_safetensors(old.path.string(), {{"a", t}}, {{"bad", "\xff\xfe"}}); }),
-      HasSubstr("valid UTF-8"));
+  EXPECT_THAT(error_of([&] {
+                save_safetensors(old.path.string(), {{"a", t}}, {{"bad", "\xff\xfe"}});
+              }),
+              HasSubstr("valid UTF-8"));
   EXPECT_TRUE(old_is_intact(old));
 }
 
@@ -286,8 +292,8 @@ TEST(SafetensorsAtomic, RenameFailureRemovesTheTemporaryFile) {
 TEST(SafetensorsAtomic, UnwritableDirectoryLeavesTheOldFileIntact) {
   if (::geteuid() == 0) GTEST_SKIP() << "root ignores directory permissions";
   OldCheckpoint old = write_old_checkpoint();
-  std::filesystem::permissions(old.dir, std::filesystem::perms::owner_read |
-                                            std::filesystem::perms::owner_exec);
+  std::filesystem::permissions(
+      old.dir, std::filesystem::perms::owner_read | std::filesystem::perms::owner_exec);
   const std::string message = error_of([&] {
     save_safetensors(old.path.string(), {{"w", Tensor::zeros({1}, DType::f32)}}, {});
   });
@@ -313,8 +319,9 @@ int save_on_a_full_disk(const OldCheckpoint& old) {
   const rlimit limit{64 * 1024, 64 * 1024};
   if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 2;
   const Tensor big = Tensor::zeros({1 << 20}, DType::f32);  // 4 MiB
-  const std::string message =
-      error_of([&] { save_safetensors(old.path.string(), {{"w", big}}, {{"step", "200"}}); });
+  const std::string message = error_of([&] {
+    save_safetensors(old.path.string(), {{"w", big}}, {{"step", "200"}});
+  });
   std::fprintf(stderr, "%s\n", message.c_str());
   if (message.find("File too large") == std::string::npos ||
       message.find("previous file is unchanged") == std::string::npos)
@@ -328,8 +335,7 @@ TEST(SafetensorsAtomicDeathTest, FullDiskLeavesTheOldFileIntact) {
   // the static destructors that remove its scratch folder.
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   OldCheckpoint old = write_old_checkpoint();
-  EXPECT_EXIT(std::exit(save_on_a_full_disk(old)), ::testing::ExitedWithCode(0),
-              "File too large");
+  EXPECT_EXIT(std::exit(save_on_a_full_disk(old)), ::testing::ExitedWithCode(0), "File too large");
   EXPECT_TRUE(old_is_intact(old));
 }
 
@@ -363,12 +369,12 @@ TEST(SafetensorsCorrupt, TruncatedAtEveryByte) {
                                      " bytes, shorter than the 8-byte header length"));
     } else if (cut < 8 + header) {
       EXPECT_THAT(message, HasSubstr("header length " + std::to_string(header) +
-                                     " extends beyond the end of the file (" +
-                                     std::to_string(cut) + " bytes)"));
+                                     " extends beyond the end of the file (" + std::to_string(cut) +
+                                     " bytes)"));
     } else {
-      EXPECT_THAT(message, HasSubstr("checkpoint truncated: expected " +
-                                     std::to_string(bytes.size()) + " bytes, got " +
-                                     std::to_string(cut)));
+      EXPECT_THAT(message,
+                  HasSubstr("checkpoint truncated: expected " + std::to_string(bytes.size()) +
+                            " bytes, got " + std::to_string(cut)));
     }
   }
   write_file(path, bytes + "x");
@@ -434,28 +440,27 @@ INSTANTIATE_TEST_SUITE_P(
                     "I64, U8, U16, F8_E4M3, F8_E5M2"},
         CorruptCase{"NoShape", R"({"a":{"dtype":"F32","data_offsets":[0,16]}})", k16Bytes,
                     "tensor 'a' has no shape array"},
-        CorruptCase{"NegativeExtent",
-                    R"({"a":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})", k16Bytes,
-                    "shape value -4 out of range"},
-        CorruptCase{"HugeShape",
-                    R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}})",
-                    k16Bytes, "too large for any file"},
+        CorruptCase{"NegativeExtent", R"({"a":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})",
+                    k16Bytes, "shape value -4 out of range"},
+        CorruptCase{
+            "HugeShape",
+            R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}})",
+            k16Bytes, "too large for any file"},
         CorruptCase{"OffsetsNotAPair", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0]}})",
                     k16Bytes, "expected data_offsets [begin, end]"},
-        CorruptCase{"NegativeOffset",
-                    R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[-16,0]}})", k16Bytes,
-                    "data_offsets value -16 out of range"},
+        CorruptCase{"NegativeOffset", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[-16,0]}})",
+                    k16Bytes, "data_offsets value -16 out of range"},
         CorruptCase{"FractionalOffset",
                     R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16.0]}})", k16Bytes,
                     "data_offsets value 16.0 out of range"},
-        CorruptCase{"HugeOffset",
-                    R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[18446744073709551615,18446744073709551615]}})",
-                    "", "data_offsets value 18446744073709551615 out of range"},
-        CorruptCase{"BeginAfterEnd",
-                    R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[16,0]}})", k16Bytes,
-                    "data_offsets [16, 0) out of range: begin after end"},
-        CorruptCase{"SizeMismatch",
-                    R"({"a":{"dtype":"BF16","shape":[4],"data_offsets":[0,16]}})", k16Bytes,
+        CorruptCase{
+            "HugeOffset",
+            R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[18446744073709551615,18446744073709551615]}})",
+            "", "data_offsets value 18446744073709551615 out of range"},
+        CorruptCase{"BeginAfterEnd", R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[16,0]}})",
+                    k16Bytes, "data_offsets [16, 0) out of range: begin after end"},
+        CorruptCase{"SizeMismatch", R"({"a":{"dtype":"BF16","shape":[4],"data_offsets":[0,16]}})",
+                    k16Bytes,
                     "tensor 'a' (BF16[4]) needs 8 bytes, but its data_offsets [0, 16) span 16"},
         CorruptCase{"Overlap",
                     R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,12]},)"
@@ -465,15 +470,14 @@ INSTANTIATE_TEST_SUITE_P(
                     R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                     R"("b":{"dtype":"F32","shape":[1],"data_offsets":[12,16]}})",
                     k16Bytes, "data bytes [8, 12) before tensor 'b' [12, 16) belong to no tensor"},
-        CorruptCase{"DataPastTheEnd",
-                    R"({"a":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})", k16Bytes,
-                    "checkpoint truncated: expected"},
+        CorruptCase{"DataPastTheEnd", R"({"a":{"dtype":"F32","shape":[8],"data_offsets":[0,32]}})",
+                    k16Bytes, "checkpoint truncated: expected"},
         CorruptCase{"MetadataNotObject", R"({"__metadata__":["x"]})", "",
                     "expected __metadata__ to be an object, got array"},
         CorruptCase{"MetadataNotString", R"({"__metadata__":{"step":12}})", "",
                     "metadata 'step' must be a string, got 12"},
-        CorruptCase{"NewerFormatVersion", R"({"__metadata__":{"octet_format_version":"2"}})",
-                    "", "has octet_format_version '2'; this build reads version 1"},
+        CorruptCase{"NewerFormatVersion", R"({"__metadata__":{"octet_format_version":"2"}})", "",
+                    "has octet_format_version '2'; this build reads version 1"},
         CorruptCase{"E8M0NoteOnF32",
                     R"({"__metadata__":{"octet_dtype.a":"e8m0"},)"
                     R"("a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",

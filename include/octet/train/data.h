@@ -113,8 +113,7 @@ struct ArithmeticProblem {
 /// `count` problems drawn like the corpus lines (same operators and operand range) from `seed`.
 /// Operands are 0..99, so the problem space is small (3 x 100 x 100): "held out" means drawn
 /// independently of the corpus, not unseen in it.
-std::vector<ArithmeticProblem> arithmetic_problems(int count,
-                                                   uint64_t seed = kArithmeticEvalSeed);
+std::vector<ArithmeticProblem> arithmetic_problems(int count, uint64_t seed = kArithmeticEvalSeed);
 
 /// Model-side generation supplied by the trainer: returns only the text generated after `prompt`
 /// (at most max_new_tokens byte tokens).
