@@ -128,10 +128,10 @@ std::string error_of(const std::function<void()>& f) {
 TEST(TokenSourceOrder, EveryEpochVisitsEachWindowOnceInShuffledOrder) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  constexpr int kSeq = 7;
+  constexpr int kSeq = 7, kEpochs = 8;
   CountingSource source(seed, /*train=*/3001, /*val=*/100);
   std::map<int64_t, std::vector<int64_t>> starts_by_epoch;
-  while (source.position().epoch < 4) {
+  while (source.position().epoch < kEpochs) {
     // One row per batch, so each row's epoch is the position's epoch after it.
     Batch b = source.next_batch(1, kSeq);
     expect_well_formed(b, 1, kSeq);
@@ -140,7 +140,7 @@ TEST(TokenSourceOrder, EveryEpochVisitsEachWindowOnceInShuffledOrder) {
     EXPECT_EQ(b.targets.data<int32_t>()[kSeq - 1], b.inputs.data<int32_t>()[0] + kSeq);
   }
   std::set<int64_t> phases;
-  for (int64_t epoch = 0; epoch < 4; ++epoch) {
+  for (int64_t epoch = 0; epoch < kEpochs; ++epoch) {
     std::vector<int64_t> starts = starts_by_epoch[epoch];
     ASSERT_FALSE(starts.empty());
     const int64_t phase = *std::min_element(starts.begin(), starts.end());
@@ -152,7 +152,7 @@ TEST(TokenSourceOrder, EveryEpochVisitsEachWindowOnceInShuffledOrder) {
     std::sort(starts.begin(), starts.end());
     for (int64_t k = 0; k < windows; ++k) ASSERT_EQ(starts[k], phase + k * kSeq);
   }
-  // Four independent phases in [0, 7) are all equal with probability 7^-3.
+  // Eight independent phases in [0, 7) are all equal with probability 7^-7.
   EXPECT_GT(phases.size(), 1u);
   EXPECT_NE(starts_by_epoch[0], starts_by_epoch[1]);
 }
