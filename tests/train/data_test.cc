@@ -417,6 +417,12 @@ TEST(BinSource, WithoutValFilesTheLastTenthIsVal) {
   write_shard(dir / "a.bin", {t0});
   write_shard(dir / "b.bin", {t1});
   auto source = make_token_source("bin:" + (dir / "*.bin").string(), seed);
+  // Only file names mark val shards: a folder whose name holds "val" does not.
+  const auto folder = dir / "interval";
+  std::filesystem::create_directories(folder);
+  write_shard(folder / "a.bin", {t0});
+  EXPECT_EQ(make_token_source("bin:" + (folder / "*.bin").string(), seed)->size(Split::val),
+            static_cast<int64_t>(t0.size() / 10));
   std::vector<uint16_t> all = t0;
   all.insert(all.end(), t1.begin(), t1.end());
   const size_t val = all.size() / 10;

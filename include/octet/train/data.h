@@ -75,8 +75,10 @@ class TokenSource {
   /// holds fewer than `batch` windows, its one batch repeats windows).
   int64_t val_batch_count(int batch, int seq) const;
 
+  /// Where the training reader stands now (store it in a checkpoint).
   DataPosition position() const { return position_; }
-  /// Restores a position from position(); the following batches equal those read after it.
+  /// Restores a position from position(); the following batches equal those read after it, for
+  /// the same source and seq (the seed only sets the first epoch's RNG state).
   void set_position(const DataPosition& position);
 
  private:
