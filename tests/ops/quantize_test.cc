@@ -355,6 +355,16 @@ TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
     EXPECT_TRUE(
         bitwise_equal(Tensor::from_vector({ref::amax(values, before), -7.0f}, {2}), amax_out));
   }
+  // The maximum planted at the first, the last and a random element: no element is skipped.
+  const int64_t n = p.shape.rows * p.shape.cols;
+  for (int64_t at : {int64_t{0}, n - 1, std::uniform_int_distribution<int64_t>(0, n - 1)(rng)}) {
+    SCOPED_TRACE(::testing::Message() << "maximum at element " << at);
+    std::vector<float> planted = values;
+    planted[at] = representable(-magnitude * kHugeFactor * kHugeFactor, p.input);
+    const Tensor amax_out = scalar_on(0.0f, p.backend);
+    ops::amax(on(make_tensor(planted, {p.shape.rows, p.shape.cols}, p.input), p.backend), amax_out);
+    EXPECT_TRUE(bitwise_equal(Tensor::from_vector({-planted[at]}, {1}), amax_out));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, AmaxParity, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
