@@ -240,7 +240,9 @@ TEST_P(QuantizeParity, MatchesReferenceBitExactly) {
           coverage(p.usage.rowwise ? expected.rowwise : expected.columnwise, values, p.fp8);
       EXPECT_GT(c.subnormal, 0);
       EXPECT_GT(c.underflow, 0);
-      if (p.mode == ScalingMode::per_tensor) EXPECT_GT(c.saturated, 0);
+      if (p.mode == ScalingMode::per_tensor) {
+        EXPECT_GT(c.saturated, 0);
+      }
     }
 
     // Round trips of each copy, into the other high-precision dtype than x's (both are covered
