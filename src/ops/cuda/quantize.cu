@@ -11,6 +11,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -71,8 +72,10 @@ constexpr int kBankChunks = 8;
 /// a row, that make every access pattern bank-conflict-free:
 /// - chunk j ^= (j / 8) % chunks_per_run: the 8 lanes (one row) of a row-pass quarter-warp read
 ///   chunks run*chunks_per_run + k, which would otherwise repeat banks across the row's halves;
-/// - chunk ^= (r / 16 % 8) * column_swizzle: the column pass reads one column pair (bf16: one
-///   chunk, f32: two) from rows 16 apart in each of the 8 lanes groups of a warp.
+/// - chunk ^= (r / 16 % 8) * column_swizzle: a warp of the column pass reads the same 8 columns
+///   (bf16: one chunk, f32: two) from 8 rows 16 apart, which would otherwise share banks.
+/// Both claims were checked by enumerating every access of both passes: the mapping is a
+/// bijection per row, and each LDS wavefront touches 32 distinct banks.
 template <typename T>
 struct TileLayout {
   static constexpr int kChunkElems = kVecElems<T>;
@@ -81,8 +84,9 @@ struct TileLayout {
   /// Chunks of one row that a warp's column-pass access covers (8 columns).
   static constexpr int kColSwizzle = kColsPerWarp * static_cast<int>(sizeof(T)) / kVecBytes;
   static constexpr int kBytes = kTile * kTile * static_cast<int>(sizeof(T));
-  static_assert(kChunksPerRow >= 2 * kBankChunks && kColSwizzle * kBankChunks <= 2 * kBankChunks,
-                "the swizzles must stay inside a row");
+  static_assert(kChunksPerRow % (2 * kBankChunks) == 0 && kChunksPerRun <= kBankChunks &&
+                    (kBankChunks - 1) * kColSwizzle < 2 * kBankChunks,
+                "the swizzles XOR values below 16 into rows of a multiple of 16 chunks");
 
   /// Offset in elements of chunk j of tile row r. Depends on r only through r / kRunElems, so
   /// the 16 rows of one column run share it up to r * kTile.
@@ -493,13 +497,24 @@ T* data_or_null(const Tensor& t) {
   return t.defined() ? static_cast<T*>(t.raw_data()) : nullptr;
 }
 
+/// Dynamic shared memory a kernel may use without opting in (all architectures since sm_70).
+constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
+
 template <typename T, ScalingMode kMode, DType kFp8>
-void launch_quantize_tile(const TileParams& p, cudaStream_t stream) {
+void launch_quantize_tile(const TileParams& p, const Device& device, cudaStream_t stream) {
   constexpr int kSmemBytes = TileLayout<T>::kBytes;
   const auto kernel = quantize_tile_kernel<T, kMode, kFp8>;
-  // f32 tiles (64 KiB) are above the 48 KiB of dynamic shared memory allowed without opting in.
-  OCTET_CHECK_CUDA(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  if constexpr (kSmemBytes > kDefaultDynamicSmemBytes) {
+    // f32 tiles (64 KiB) need the opt-in, once per device (the attribute is per device); a
+    // race between two threads only sets the same value twice.
+    static std::atomic<uint64_t> opted_in{0};
+    const uint64_t bit = device.index < 64 ? uint64_t{1} << device.index : 0;
+    if (bit == 0 || (opted_in.load(std::memory_order_relaxed) & bit) == 0) {
+      OCTET_CHECK_CUDA(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      opted_in.fetch_or(bit, std::memory_order_relaxed);
+    }
+  }
   const int64_t tiles = p.tile_rows * p.tile_cols;
   OCTET_CHECK(tiles <= INT_MAX, "quantize: a [", p.rows, ", ", p.cols, "] matrix has ", tiles,
               " tiles of ", kTile, "x", kTile, "; expected at most ", INT_MAX, " (gridDim.x)");
@@ -580,8 +595,8 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
     p.x_vec = quant::vec_aligned(p.x) && cols % quant::kVecElems<T> == 0;
     quant::visit_mode(out.mode, [&](auto mode_tag) {
       quant::visit_fp8(out.dtype, [&](auto fp8_tag) {
-        quant::launch_quantize_tile<T, decltype(mode_tag)::value, decltype(fp8_tag)::value>(p,
-                                                                                            stream);
+        quant::launch_quantize_tile<T, decltype(mode_tag)::value, decltype(fp8_tag)::value>(
+            p, device, stream);
       });
     });
   });
