@@ -12,11 +12,7 @@
 #include "octet/core/cuda_context.h"
 #include "octet/core/dtype.h"
 #include "octet/fp8/format.h"
-#if __has_include("octet/fp8/scaling_math.h")
 #include "octet/fp8/scaling_math.h"
-#else
-#include "ops/cuda/scaling_math_fallback.cuh"
-#endif
 
 namespace octet::ops::cuda::quant {
 
