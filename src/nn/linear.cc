@@ -56,6 +56,7 @@ fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, Te
   ops::QuantizeArgs args;
   args.scale = scale;
   args.amax = amax_slot;
+  args.power_of_2_block_scales = recipe.power_of_2_scales;  // read by block scaling only
   ops::quantize(x, q, args);
   return q;
 }
@@ -160,13 +161,12 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
       snap.recipe = fp8_context->recipe;
       state_for(snap.recipe);
       fp8_context->registry->register_state(state_);
-      const bool block = snap.recipe.kind == fp8::RecipeKind::block;
       snap.weight = weight_cast(
           {.fp8 = true,
            .kind = snap.recipe.kind,
            .dtype = snap.recipe.dtype_for(TensorRole::weight),
            .mode = snap.recipe.mode_for(TensorRole::weight),
-           .power_of_2 = block || snap.recipe.power_of_2_scales},
+           .power_of_2 = snap.recipe.power_of_2_scales},
           &snap.recipe);
     } else {
       snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr);

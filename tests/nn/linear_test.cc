@@ -10,6 +10,11 @@
 #include "octet/nn/autocast.h"
 #include "test_util.h"
 
+namespace octet::fp8 {
+/// Readable test parameters (the struct's padding bytes would print as noise).
+inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.name(); }
+}  // namespace octet::fp8
+
 namespace octet::nn {
 namespace {
 
@@ -128,18 +133,24 @@ INSTANTIATE_TEST_SUITE_P(
 // ----------------------------------------------------------------------------
 // FP8 against FP32
 
-/// Error metrics against the FP32 reference. All values are first divided by the reference's
-/// RMS, so "values of unit scale" holds whatever the layer's gain:
-///   elementwise: |a - r| <= atol + rtol * |r| for every element;
-///   rel_l2 = ||a - r|| / ||r||.
+/// Error metrics against the FP32 reference, on values of unit scale: everything is divided by
+/// the reference's RMS first, so the bounds hold whatever the layer's gain.
+///   rel_l2 = ||a - r|| / ||r||                  (the typical error)
+///   max_err = max_i |a_i - r_i| / rms(r)        (the worst element)
+/// An elementwise atol + rtol|r| bound does not fit FP8 GEMMs: the error of an output element
+/// comes from rounding its K operand pairs, so it does not shrink with |r|. Measured on
+/// [160 x 192] x [192 x 144] with uniform unit inputs: E4M3 operands give rel_l2 0.035-0.036 and
+/// max_err up to 0.17; an E5M2 gradient operand (HYBRID dgrad/wgrad) gives rel_l2 0.057 and
+/// max_err up to 0.27. The bounds below are about twice the typical error and about 7 standard
+/// deviations for the worst of ~30k elements.
 struct Tolerance {
-  double rtol, atol, rel_l2;
+  double rel_l2, max_err;
 };
 
-/// E4M3 operands (3 mantissa bits: relative rounding error up to 2^-4 per operand).
-constexpr Tolerance kE4M3Tol{0.125, 0.0675, 0.0675};
-/// Outputs of an E5M2 (2 mantissa bits) times E4M3 GEMM: twice the E4M3 bounds.
-constexpr Tolerance kE5M2Tol{0.25, 0.135, 0.135};
+/// Outputs of E4M3 x E4M3 GEMMs (3 mantissa bits: relative rounding up to 2^-4 per operand).
+constexpr Tolerance kE4M3Tol{0.0675, 0.25};
+/// Outputs of E5M2 x E4M3 GEMMs (HYBRID gradients: 2 mantissa bits in one operand).
+constexpr Tolerance kE5M2Tol{0.125, 0.4};
 
 ::testing::AssertionResult within(const Tensor& actual, const Tensor& reference,
                                   const Tolerance& tol) {
@@ -152,10 +163,10 @@ constexpr Tolerance kE5M2Tol{0.25, 0.135, 0.135};
     if (!std::isfinite(a[i]))
       return ::testing::AssertionFailure() << "element " << i << " is " << a[i];
     const double err = std::fabs(a[i] - r[i]) / rms;
-    if (err > tol.atol + tol.rtol * std::fabs(r[i]) / rms)
+    if (err > tol.max_err)
       return ::testing::AssertionFailure()
              << "element " << i << ": " << a[i] << " vs reference " << r[i] << " (rms " << rms
-             << "), normalised error " << err;
+             << "): error " << err << " rms > " << tol.max_err;
   }
   const double l2 = testing::relative_l2(a, r);
   if (l2 > tol.rel_l2)
@@ -339,8 +350,9 @@ TEST_P(LinearBackendTest, Bf16ComputeTracksFp32AndCastsOncePerStep) {
   Linear::Saved s32;
   Tensor y32 = f32.forward(x32, s32);
   Tensor dx32 = f32.backward(dy32, s32);
-  // bf16 operands (8 bits of mantissa: 2^-8 relative) and a bf16 output.
-  constexpr Tolerance kBf16Tol{0.02, 0.02, 0.01};
+  // bf16 weights (8 significant bits: 2^-9 relative rounding) and a bf16 output; measured
+  // rel_l2 0.0024 and max_err up to 0.012 (the inputs are the same values in both runs).
+  constexpr Tolerance kBf16Tol{0.005, 0.025};
   EXPECT_TRUE(within(y, y32, kBf16Tol));
   EXPECT_TRUE(within(dx, dx32, kBf16Tol));
   EXPECT_TRUE(within(bf16.grad_weight(), f32.grad_weight(), kBf16Tol));

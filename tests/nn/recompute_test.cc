@@ -10,6 +10,11 @@
 #include "octet/nn/linear_stack.h"
 #include "test_util.h"
 
+namespace octet::fp8 {
+/// Readable test parameters (the struct's padding bytes would print as noise).
+inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.name(); }
+}  // namespace octet::fp8
+
 namespace octet::nn {
 namespace {
 
