@@ -16,8 +16,8 @@ namespace {
 using fp8::Recipe;
 using fp8::TensorRole;
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using testing::fresh_seed;
+using ::testing::HasSubstr;
 using testing::to_floats;
 
 /// A history length small enough to read back whole.

@@ -19,8 +19,8 @@ namespace octet::nn {
 namespace {
 
 using fp8::Recipe;
-using ::testing::HasSubstr;
 using testing::fresh_seed;
+using ::testing::HasSubstr;
 using testing::to_floats;
 
 std::string device_name(const Device& d) {
@@ -189,8 +189,8 @@ std::string fp8_param_name(const ::testing::TestParamInfo<Fp8Param>& info) {
 }
 
 /// One microbatch: forward under autocast (finalized at scope exit), backward, finalize.
-Tensor run_microbatch(Linear& layer, const Recipe& recipe, AmaxRegistry& registry,
-                      const Tensor& x, const Tensor& dy, Tensor* y_out = nullptr) {
+Tensor run_microbatch(Linear& layer, const Recipe& recipe, AmaxRegistry& registry, const Tensor& x,
+                      const Tensor& dy, Tensor* y_out = nullptr) {
   Linear::Saved saved;
   Tensor y;
   {
@@ -233,8 +233,8 @@ TEST_P(LinearFp8Test, ForwardAndBackwardTrackFp32) {
   const bool hybrid = recipe.format == fp8::Fp8Format::hybrid;
   EXPECT_TRUE(within(y, y_ref, kE4M3Tol)) << "y";
   EXPECT_TRUE(within(dx, dx_ref, hybrid ? kE5M2Tol : kE4M3Tol)) << "dx";
-  EXPECT_TRUE(within(fp8_layer.grad_weight(), reference.grad_weight(),
-                     hybrid ? kE5M2Tol : kE4M3Tol))
+  EXPECT_TRUE(
+      within(fp8_layer.grad_weight(), reference.grad_weight(), hybrid ? kE5M2Tol : kE4M3Tol))
       << "dW";
   // The bias gradient is summed from the high-precision dy: exact to FP32 rounding.
   EXPECT_TRUE(testing::bitwise_equal(reference.grad_bias(), fp8_layer.grad_bias()));
@@ -271,10 +271,9 @@ TEST_P(LinearFp8Test, GradientsAccumulateOverMicrobatches) {
   const std::vector<float> acc_w = to_floats(accumulated.grad_weight());
   for (size_t i = 0; i < acc_w.size(); ++i)
     ASSERT_NEAR(acc_w[i], sum_w[i], 1e-6 * (std::fabs(sum_w[i]) + 1e-3)) << "dW[" << i << "]";
-  EXPECT_TRUE(testing::bitwise_equal(Tensor::from_vector(sum_b, {out}),
-                                     accumulated.grad_bias()));
-  EXPECT_FALSE(testing::bitwise_equal(Tensor::from_vector(sum_w, {out, in}),
-                                      separate.grad_weight()))
+  EXPECT_TRUE(testing::bitwise_equal(Tensor::from_vector(sum_b, {out}), accumulated.grad_bias()));
+  EXPECT_FALSE(
+      testing::bitwise_equal(Tensor::from_vector(sum_w, {out, in}), separate.grad_weight()))
       << "the second microbatch alone must differ from the sum";
 }
 
@@ -363,19 +362,33 @@ TEST_P(LinearBackendTest, RejectsInputsThatDoNotFit) {
   OCTET_SKIP_IF_UNAVAILABLE(device);
   Linear layer(8, 4, true, device, fresh_seed());
   Linear::Saved saved;
-  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 7}, DType::f32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("expects input [..., 8], got f32[3, 7]")));
-  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 8}, DType::i32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("must be f32 or bf16, got i32[3, 8]")));
-  EXPECT_THAT([&] { layer.backward(Tensor::zeros({3, 4}, DType::f32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("needs the Saved of a forward")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(Tensor::zeros({3, 7}, DType::f32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("expects input [..., 8], got f32[3, 7]")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(Tensor::zeros({3, 8}, DType::i32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("must be f32 or bf16, got i32[3, 8]")));
+  EXPECT_THAT(
+      [&] {
+        layer.backward(Tensor::zeros({3, 4}, DType::f32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("needs the Saved of a forward")));
   layer.forward(Tensor::zeros({3, 8}, DType::f32, device), saved);
-  EXPECT_THAT([&] { layer.backward(Tensor::zeros({2, 4}, DType::f32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("expects grad_output of shape [3, 4]")));
+  EXPECT_THAT(
+      [&] {
+        layer.backward(Tensor::zeros({2, 4}, DType::f32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("expects grad_output of shape [3, 4]")));
   Linear::Saved empty;
-  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 8}, DType::f32, device), empty,
-                                  ForwardMode::recompute); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("needs the snapshot")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(Tensor::zeros({3, 8}, DType::f32, device), empty, ForwardMode::recompute);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("needs the snapshot")));
 }
 
 TEST_P(LinearBackendTest, Fp8DimensionsNotMultipleOf16SurfaceTheGemmError) {
@@ -402,13 +415,18 @@ TEST(LinearPlacement, InputOnAnotherDeviceIsRejectedWithBothDevicesNamed) {
   Linear on_cpu(8, 4, true, Device::cpu(), fresh_seed());
   Linear::Saved saved;
   EXPECT_THAT(
-      [&] { on_cpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved); },
+      [&] {
+        on_cpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved);
+      },
       ::testing::ThrowsMessage<Error>(
           HasSubstr("lives on cpu but its input is f32[2, 8] on cuda:0; move the input to cpu")));
   Linear on_gpu(8, 4, true, Device::cuda(0), fresh_seed());
   on_gpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved);
-  EXPECT_THAT([&] { on_gpu.backward(Tensor::zeros({2, 4}, DType::f32), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("its grad_output is f32[2, 4] on cpu")));
+  EXPECT_THAT(
+      [&] {
+        on_gpu.backward(Tensor::zeros({2, 4}, DType::f32), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("its grad_output is f32[2, 4] on cpu")));
 }
 
 TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
@@ -422,8 +440,8 @@ TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
   Tensor y;
   {
     Fp8Autocast scope(Recipe::delayed(), registry);
-    Tensor h = on1.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(Device::cuda(1)),
-                           s1);
+    Tensor h =
+        on1.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(Device::cuda(1)), s1);
     y = on0.forward(h.to(Device::cuda(0)), s0);
   }
   EXPECT_EQ(y.device(), Device::cuda(0));
@@ -435,8 +453,8 @@ TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
     EXPECT_EQ(state.forward_updates(), 1);
   }
   EXPECT_EQ(registry.scaling_update_calls(), 2);  // one per device
-  Tensor g = on0.backward(testing::random_tensor({16, 32}, DType::f32, seed + 2)
-                              .to(Device::cuda(0)), s0);
+  Tensor g =
+      on0.backward(testing::random_tensor({16, 32}, DType::f32, seed + 2).to(Device::cuda(0)), s0);
   on1.backward(g.to(Device::cuda(1)), s1);
   registry.finalize_backward();
   EXPECT_EQ(registry.scaling_update_calls(), 4);
