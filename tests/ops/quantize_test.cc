@@ -148,7 +148,7 @@ std::vector<QuantizeCase> quantize_cases() {
   std::vector<QuantizeCase> cases;
   for (const Device& backend : testing::all_backends()) {
     std::vector<MatrixShape> shapes = kShapes;
-    if (backend.is_cuda()) shapes.push_back(kLargeGpuShape);
+    if (backend.is_cuda() && !testing::small_tests_only()) shapes.push_back(kLargeGpuShape);
     for (DType input : {DType::f32, DType::bf16})
       for (DType fp8 : {DType::e4m3, DType::e5m2})
         for (ScalingMode mode : kModes)
@@ -359,7 +359,7 @@ std::vector<DTypeCase> dtype_cases(bool with_output) {
   std::vector<DTypeCase> cases;
   for (const Device& backend : testing::all_backends()) {
     std::vector<MatrixShape> shapes(kShapes.begin(), kShapes.begin() + 3);
-    if (backend.is_cuda()) shapes.push_back(kLargeGpuShape);
+    if (backend.is_cuda() && !testing::small_tests_only()) shapes.push_back(kLargeGpuShape);
     for (DType input : {DType::f32, DType::bf16})
       for (DType output : with_output ? std::vector<DType>{DType::f32, DType::bf16}
                                       : std::vector<DType>{DType::f32})
