@@ -3,6 +3,7 @@
 // FusedCast is on, its FP8 codes and amax (norm_backend.h). CUDA sources only.
 #pragma once
 
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -89,6 +90,31 @@ struct CastThread {
   }
 };
 
+/// fp8(v * scale) for each element of the pack, through the hardware converter
+/// (cvt.rn.satfinite.{e4m3,e5m2}x2.f32 on sm_89+): bit-identical to format.h's encoders, which
+/// tests/fp8/format_test.cc proves over every float, and so to ops::quantize. One float multiply
+/// per element, as fp8::quantize_value.
+template <int kN>
+__device__ __forceinline__ Pack<uint8_t, kN> encode_pack(const float (&v)[kN], float scale,
+                                                         DType dtype) {
+  const __nv_fp8_interpretation_t format = dtype == DType::e4m3 ? __NV_E4M3 : __NV_E5M2;
+  Pack<uint8_t, kN> q;
+  if constexpr (kN % 2 == 0) {
+#pragma unroll
+    for (int k = 0; k < kN; k += 2) {
+      const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
+          make_float2(v[k] * scale, v[k + 1] * scale), __NV_SATFINITE, format);
+      q.v[k] = static_cast<uint8_t>(pair & 0xFFu);  // .x is the low byte
+      q.v[k + 1] = static_cast<uint8_t>(pair >> 8);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < kN; ++k)
+      q.v[k] = __nv_cvt_float_to_fp8(v[k] * scale, __NV_SATFINITE, format);
+  }
+  return q;
+}
+
 /// Rounds v to T and stores it at out[i, i + kN); with the cast on, also its FP8 codes at
 /// cast.data[i, ...) (the cast copy has the output's layout), quantizing the value as stored,
 /// exactly as ops::quantize would read it back.
@@ -100,15 +126,14 @@ __device__ __forceinline__ void store_output(T* out, int64_t i, const float (&v)
   for (int k = 0; k < kN; ++k) o.v[k] = math::from_float<T>(v[k]);
   store_pack<kN>(out + i, o);
   if (!ct.cast.enabled()) return;
-  Pack<uint8_t, kN> q;
+  float stored[kN];
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
-    const float stored = math::to_float(o.v[k]);
-    q.v[k] = fp8::quantize_value(stored, ct.scale, ct.cast.dtype);
-    const uint32_t bits = fp8::abs_bits(stored);
+    stored[k] = math::to_float(o.v[k]);
+    const uint32_t bits = fp8::abs_bits(stored[k]);
     ct.amax_bits = bits > ct.amax_bits ? bits : ct.amax_bits;
   }
-  store_pack<kN>(ct.cast.data + i, q);
+  store_pack<kN>(ct.cast.data + i, encode_pack<kN>(stored, ct.scale, ct.cast.dtype));
 }
 
 /// Ends a fused cast; every thread of the CTA calls it after its last store_output (it contains

@@ -85,16 +85,13 @@ __device__ float2 row_sum2(float2 v, float2* shared) {
 
 /// The kN values of pack p of a row as f32: from the shared-memory copy when there is one.
 template <typename T, int kN>
-__device__ __forceinline__ void row_pack(const T* row, const float* cached, int64_t p,
-                                         float (&f)[kN]) {
-  if (cached != nullptr) {
+__device__ __forceinline__ Pack<float, kN> row_pack(const T* row, const float* cached, int64_t p) {
+  if (cached != nullptr) return load_pack<kN>(cached + p * kN);  // 16-byte shared accesses
+  const Pack<T, kN> v = load_pack<kN>(row + p * kN);
+  Pack<float, kN> f;
 #pragma unroll
-    for (int k = 0; k < kN; ++k) f[k] = cached[p * kN + k];
-  } else {
-    const Pack<T, kN> v = load_pack<kN>(row + p * kN);
-#pragma unroll
-    for (int k = 0; k < kN; ++k) f[k] = math::to_float(v.v[k]);
-  }
+  for (int k = 0; k < kN; ++k) f.v[k] = math::to_float(v.v[k]);
+  return f;
 }
 
 /// One row per thread group. Block (threads_per_row, rows_per_cta); dynamic shared memory holds
@@ -105,7 +102,7 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const float* __rest
                                     const float* __restrict__ beta, float eps, T* y,
                                     float* mean_out, float* rstd_out, int64_t rows, int64_t cols,
                                     bool cache_rows, FusedCast cast) {
-  extern __shared__ float row_cache[];
+  extern __shared__ float4 row_cache[];  // float4: 16-byte aligned for the packs
   __shared__ float2 sums[kMaxRowsPerCta * kWarpSize];
   __shared__ uint32_t amax_scratch[kWarpSize];
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -113,18 +110,15 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const float* __rest
   const int64_t packs = cols / kN;
   const float n = static_cast<float>(cols);
   const T* xr = x + (active ? r : 0) * cols;
-  float* cached = cache_rows ? row_cache + threadIdx.y * cols : nullptr;
+  float* cached = cache_rows ? reinterpret_cast<float*>(row_cache) + threadIdx.y * cols : nullptr;
 
   // Pass 1 reads the row from global memory, keeping the shared copy; RMSNorm needs only this.
   float first_sum = 0.0f;
   for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
-    float f[kN];
-    row_pack<T, kN>(xr, nullptr, p, f);
+    const Pack<float, kN> f = row_pack<T, kN>(xr, nullptr, p);
+    if (cached != nullptr) store_pack<kN>(cached + p * kN, f);
 #pragma unroll
-    for (int k = 0; k < kN; ++k) {
-      if (cached != nullptr) cached[p * kN + k] = f[k];
-      first_sum += kRms ? f[k] * f[k] : f[k];
-    }
+    for (int k = 0; k < kN; ++k) first_sum += kRms ? f.v[k] * f.v[k] : f.v[k];
   }
   // LayerNorm: pass 1 gave the mean, and pass 2 sums squares around it (two-pass variance).
   // RMSNorm: pass 1 gave the mean square.
@@ -134,11 +128,10 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const float* __rest
     mean = first;
     float squares = 0.0f;
     for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
-      float f[kN];
-      row_pack<T, kN>(xr, cached, p, f);
+      const Pack<float, kN> f = row_pack<T, kN>(xr, cached, p);
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        const float d = f[k] - mean;
+        const float d = f.v[k] - mean;
         squares += d * d;
       }
     }
@@ -148,8 +141,7 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const float* __rest
 
   CastThread ct(cast);
   for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
-    float f[kN];
-    row_pack<T, kN>(xr, cached, p, f);
+    const Pack<float, kN> f = row_pack<T, kN>(xr, cached, p);
     const Pack<float, kN> g = load_pack<kN>(gamma + p * kN);
     Pack<float, kN> b;
     if constexpr (kRms) {
@@ -160,7 +152,7 @@ __global__ void norm_forward_kernel(const T* __restrict__ x, const float* __rest
     }
     float out[kN];
 #pragma unroll
-    for (int k = 0; k < kN; ++k) out[k] = math::norm_output(f[k], mean, rstd, g.v[k], b.v[k]);
+    for (int k = 0; k < kN; ++k) out[k] = math::norm_output(f.v[k], mean, rstd, g.v[k], b.v[k]);
     store_output<T, kN>(y, r * cols + p * kN, out, ct);
   }
   if (active && threadIdx.x == 0) {
@@ -182,8 +174,9 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
                                      T* dx, float* partials, int64_t rows, int64_t cols,
                                      int64_t rows_per_tile, bool acc_in_smem) {
   constexpr int kSums = kRms ? 1 : 2;
-  extern __shared__ float acc_smem[];
+  extern __shared__ float4 acc_raw[];  // float4: 16-byte aligned for the packs
   __shared__ float2 sums[kMaxRowsPerCta * kWarpSize];
+  float* acc_smem = reinterpret_cast<float*>(acc_raw);
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_tile;
   const int64_t r1 = min(rows, r0 + rows_per_tile);
   const int64_t packs = cols / kN;
@@ -192,12 +185,12 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
   float* acc = acc_in_smem ? acc_smem + threadIdx.y * kSums * cols : tile_partial;
 
   // Each thread owns the same columns in every row, so its accumulators need no barrier.
+  Pack<float, kN> zero;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) zero.v[k] = 0.0f;
   for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
 #pragma unroll
-    for (int k = 0; k < kN; ++k) {
-      acc[p * kN + k] = 0.0f;
-      if constexpr (!kRms) acc[cols + p * kN + k] = 0.0f;
-    }
+    for (int j = 0; j < kSums; ++j) store_pack<kN>(acc + j * cols + p * kN, zero);
   }
   const int64_t iterations = ceil_div(r1 - r0, static_cast<int64_t>(blockDim.y));
   for (int64_t it = 0; it < iterations; ++it) {
@@ -209,19 +202,22 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
     const float s = active ? rstd[r] : 0.0f;
     float2 sum = make_float2(0.0f, 0.0f);  // dxhat, dxhat * xhat
     for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
-      float g[kN], xv[kN];
-      row_pack<T, kN>(dyr, nullptr, p, g);
-      row_pack<T, kN>(xr, nullptr, p, xv);
+      const Pack<float, kN> g = row_pack<T, kN>(dyr, nullptr, p);
+      const Pack<float, kN> xv = row_pack<T, kN>(xr, nullptr, p);
       const Pack<float, kN> w = load_pack<kN>(gamma + p * kN);
+      Pack<float, kN> acc_g = load_pack<kN>(acc + p * kN), acc_b;
+      if constexpr (!kRms) acc_b = load_pack<kN>(acc + cols + p * kN);
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        const float xhat = math::norm_xhat(xv[k], m, s);
-        const float dxhat = g[k] * w.v[k];
+        const float xhat = math::norm_xhat(xv.v[k], m, s);
+        const float dxhat = g.v[k] * w.v[k];
         sum.x += dxhat;
         sum.y += dxhat * xhat;
-        acc[p * kN + k] += g[k] * xhat;
-        if constexpr (!kRms) acc[cols + p * kN + k] += g[k];
+        acc_g.v[k] += g.v[k] * xhat;
+        if constexpr (!kRms) acc_b.v[k] += g.v[k];
       }
+      store_pack<kN>(acc + p * kN, acc_g);
+      if constexpr (!kRms) store_pack<kN>(acc + cols + p * kN, acc_b);
     }
     sum = row_sum2(sum, sums);
     const float mean_dxhat = kRms ? 0.0f : sum.x / n;
@@ -229,13 +225,13 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
     CastThread no_cast(FusedCast{});
     // The second pass re-reads the row: this thread's own elements, just read, so L1/L2 hits.
     for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
-      float g[kN], xv[kN], out[kN];
-      row_pack<T, kN>(dyr, nullptr, p, g);
-      row_pack<T, kN>(xr, nullptr, p, xv);
+      const Pack<float, kN> g = row_pack<T, kN>(dyr, nullptr, p);
+      const Pack<float, kN> xv = row_pack<T, kN>(xr, nullptr, p);
       const Pack<float, kN> w = load_pack<kN>(gamma + p * kN);
+      float out[kN];
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
-        out[k] = math::norm_dx(g[k] * w.v[k], math::norm_xhat(xv[k], m, s), s, mean_dxhat,
+        out[k] = math::norm_dx(g.v[k] * w.v[k], math::norm_xhat(xv.v[k], m, s), s, mean_dxhat,
                                mean_dxhat_xhat);
       }
       store_output<T, kN>(dx, r * cols + p * kN, out, no_cast);
