@@ -1,0 +1,130 @@
+// nn::Linear: y = x W^T + b with an explicit forward and backward, FP32 master weights, and FP8
+// GEMMs under fp8_autocast.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "octet/core/tensor.h"
+#include "octet/fp8/quantized_tensor.h"
+#include "octet/fp8/recipe.h"
+#include "octet/nn/fp8_state.h"
+
+namespace octet::nn {
+
+/// normal: a training forward. recompute: rebuilding Saved during backward (activation
+/// recompute): it uses the scales and weight cast of the original forward, records no amax and
+/// updates no FP8 state, so it rebuilds exactly the same Saved bytes.
+enum class ForwardMode : uint8_t { normal, recompute };
+
+/// The weight in the format a forward computes in. Built once per optimizer step and shared by
+/// every microbatch (and by the Saved records that used it); its scales belong to it, so later
+/// scale updates do not change it.
+struct WeightCast {
+  /// What the cast was made for; a forward under another format casts again.
+  struct Key {
+    bool fp8 = false;
+    fp8::RecipeKind kind = fp8::RecipeKind::delayed;  ///< fp8 only
+    DType dtype = DType::f32;                         ///< FP8 dtype, or the compute dtype
+    fp8::ScalingMode mode = fp8::ScalingMode::per_tensor;
+    bool power_of_2 = false;
+    friend bool operator==(const Key&, const Key&) = default;
+  };
+  Key key;
+  fp8::QuantizedTensor q;  ///< FP8: [out, in] row-wise and [in, out] transposed (for dgrad)
+  Tensor scale;            ///< FP8 per-tensor recipes: the scale used, f32[1]
+  Tensor dense;            ///< high precision: [out, in] in the compute dtype (f32: the master)
+};
+
+/// Linear layer on one device. Parameters, gradients, FP8 state and every intermediate live on
+/// that device; inputs elsewhere are rejected.
+class Linear {
+ public:
+  /// What a forward used beyond its input: enough to recompute its Saved bit-exactly.
+  struct Snapshot {
+    bool fp8 = false;
+    fp8::Recipe recipe;  ///< fp8 only
+    /// Per-tensor FP8 recipes: f32[2] on the layer's device, the scales used for input and
+    /// weight (a copy, so later updates do not reach it). Undefined for block/MXFP8 (their
+    /// scales come from the data) and for high precision.
+    Tensor scales;
+    std::shared_ptr<const WeightCast> weight;
+  };
+
+  /// What backward needs, produced by forward.
+  struct Saved {
+    Snapshot snapshot;
+    Shape input_shape;
+    DType input_dtype = DType::f32;
+    fp8::QuantizedTensor input_q;  ///< FP8: the quantized input, row-wise and transposed
+    Tensor input;                  ///< high precision: the input in the compute dtype [rows, in]
+
+    /// A record holding only `snapshot`: pass it to forward(..., ForwardMode::recompute).
+    static Saved from_snapshot(Snapshot snapshot);
+    /// True once a forward filled it.
+    bool filled() const { return input_q.has_rowwise() || input.defined(); }
+  };
+
+  /// Weight [out, in] uniform in +-1/sqrt(in) and bias [out] likewise, drawn from `seed`
+  /// (deterministic on every platform), on `device`. compute_dtype (f32 or bf16) is the GEMM
+  /// precision outside fp8_autocast.
+  Linear(int64_t in_features, int64_t out_features, bool bias, const Device& device,
+         uint64_t seed, DType compute_dtype = DType::f32);
+  Linear(Linear&&) = default;
+  Linear& operator=(Linear&&) = default;
+  Linear(const Linear&) = delete;
+  Linear& operator=(const Linear&) = delete;
+
+  /// y [..., out] (x's dtype) = x [..., in] (f32 or bf16) W^T + b. Under fp8_autocast the GEMM
+  /// runs in FP8 per the active recipe (whose dimensions must then be multiples of 16); otherwise
+  /// in the compute dtype. Fills `saved` for backward.
+  Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal);
+  /// dx (x's shape and dtype) from dy [..., out] (f32 or bf16); accumulates grad_weight += dy^T x
+  /// and grad_bias += sum over rows of dy, in FP32 with a fixed reduction order.
+  Tensor backward(const Tensor& dy, const Saved& saved);
+
+  /// Sets grad_weight and grad_bias to zero.
+  void zero_grad();
+  /// The optimizer changed the master weights: the next forward casts them again.
+  void on_weights_updated() { weight_cast_.reset(); }
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  const Device& device() const { return device_; }
+  DType compute_dtype() const { return compute_dtype_; }
+  /// FP32 master weight [out, in] and bias [out] (undefined without bias).
+  const Tensor& weight() const { return weight_; }
+  const Tensor& bias() const { return bias_; }
+  /// FP32 gradients, accumulated across backward calls until zero_grad().
+  const Tensor& grad_weight() const { return grad_weight_; }
+  const Tensor& grad_bias() const { return grad_bias_; }
+  /// The FP8 state (nullptr before the first FP8 forward).
+  const std::shared_ptr<FP8State>& fp8_state() const { return state_; }
+  /// How many times the weight was prepared for a compute format (an FP8 cast, a BF16 cast, or
+  /// adopting the FP32 master): once per optimizer step when microbatches share one format.
+  int64_t weight_casts() const { return weight_casts_; }
+
+ private:
+  /// Throws unless t is defined, f32/bf16, on this layer's device with last extent `features`.
+  void check_activation(const Tensor& t, int64_t features, const char* what) const;
+  /// The FP8 state for `recipe`, (re)built when absent or made for another recipe.
+  FP8State& state_for(const fp8::Recipe& recipe);
+  /// The cached weight cast for `key`, cast now when the cache is empty or for another key.
+  std::shared_ptr<const WeightCast> weight_cast(const WeightCast::Key& key,
+                                                const fp8::Recipe* recipe);
+  void forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved);
+  void forward_dense(const Tensor& x, const Tensor& y, Saved& saved);
+  void backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved);
+  void backward_dense(const Tensor& dy, const Tensor& dx, const Saved& saved);
+
+  int64_t in_ = 0;
+  int64_t out_ = 0;
+  Device device_;
+  DType compute_dtype_ = DType::f32;
+  Tensor weight_, bias_, grad_weight_, grad_bias_;
+  std::shared_ptr<FP8State> state_;
+  std::shared_ptr<const WeightCast> weight_cast_;
+  int64_t weight_casts_ = 0;
+};
+
+}  // namespace octet::nn

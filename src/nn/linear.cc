@@ -1,0 +1,305 @@
+#include "octet/nn/linear.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "octet/fp8/format.h"
+#include "octet/nn/autocast.h"
+#include "octet/ops/gemm.h"
+#include "octet/ops/quantize.h"
+#include "octet/ops/reduce.h"
+#include "octet/ops/scaling.h"
+
+namespace octet::nn {
+namespace {
+
+using fp8::TensorRole;
+
+/// Bits of a 64-bit draw kept for a uniform float in [0, 1): a float's significand (24 bits)
+/// holds them exactly, so the value does not depend on the platform's distributions.
+constexpr int kUniformBits = 24;
+
+/// Fills `n` values uniform in [-bound, bound) from `rng` (portable, unlike
+/// std::uniform_real_distribution).
+std::vector<float> uniform_values(std::mt19937_64& rng, int64_t n, float bound) {
+  std::vector<float> values(static_cast<size_t>(n));
+  for (float& v : values) {
+    const float unit = std::ldexp(static_cast<float>(rng() >> (64 - kUniformBits)), -kUniformBits);
+    v = (2.0f * unit - 1.0f) * bound;
+  }
+  return values;
+}
+
+/// True for the recipes with one scale per tensor (delayed and current scaling).
+bool per_tensor(const fp8::Recipe& recipe) {
+  return recipe.kind == fp8::RecipeKind::delayed || recipe.kind == fp8::RecipeKind::current;
+}
+
+/// Current scaling: scale (f32[1]) = fp8_max / max|x| for the role's format.
+void current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
+                   const Tensor& scale) {
+  Tensor amax = Tensor::zeros({1}, DType::f32, x.device());
+  Tensor scale_inv = Tensor::empty({1}, DType::f32, x.device());
+  ops::amax(x, amax);
+  ops::compute_current_scale(amax, scale, scale_inv, fp8::fp8_max(recipe.dtype_for(role)),
+                             recipe.power_of_2_scales);
+}
+
+/// Quantizes the [rows, cols] matrix x for `role`, row-wise and transposed (every FP8 operand of
+/// a Linear is used both ways). `scale`: per-tensor recipes only; `amax_slot`: optional.
+fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
+                                  const Tensor& scale, const Tensor& amax_slot) {
+  fp8::QuantizedTensor q = fp8::QuantizedTensor::allocate(
+      x.rows(), x.cols(), recipe.dtype_for(role), recipe.mode_for(role),
+      fp8::Usage{.rowwise = true, .columnwise = true}, x.device());
+  ops::QuantizeArgs args;
+  args.scale = scale;
+  args.amax = amax_slot;
+  ops::quantize(x, q, args);
+  return q;
+}
+
+/// x in `dtype` (x itself when it already is).
+Tensor in_dtype(const Tensor& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  Tensor out = Tensor::empty(x.shape(), dtype, x.device());
+  ops::cast(x, out);
+  return out;
+}
+
+}  // namespace
+
+Linear::Saved Linear::Saved::from_snapshot(Snapshot snapshot) {
+  Saved saved;
+  saved.snapshot = std::move(snapshot);
+  return saved;
+}
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const Device& device,
+               uint64_t seed, DType compute_dtype)
+    : in_(in_features), out_(out_features), device_(device), compute_dtype_(compute_dtype) {
+  OCTET_CHECK(in_features > 0 && out_features > 0,
+              "Linear needs positive in and out features, got in=", in_features,
+              " out=", out_features);
+  OCTET_CHECK(is_high_precision(compute_dtype), "Linear compute dtype must be f32 or bf16, got ",
+              dtype_name(compute_dtype));
+  check_device_available(device);
+  // PyTorch's default bound for both weight and bias (kaiming_uniform with a = sqrt(5)).
+  const float bound = 1.0f / std::sqrt(static_cast<float>(in_features));
+  std::mt19937_64 rng(seed);
+  weight_ = Tensor::from_vector(uniform_values(rng, out_ * in_, bound), {out_, in_}).to(device);
+  grad_weight_ = Tensor::zeros({out_, in_}, DType::f32, device);
+  if (bias) {
+    bias_ = Tensor::from_vector(uniform_values(rng, out_, bound), {out_}).to(device);
+    grad_bias_ = Tensor::zeros({out_}, DType::f32, device);
+  }
+}
+
+void Linear::zero_grad() {
+  grad_weight_.zero();
+  if (grad_bias_.defined()) grad_bias_.zero();
+}
+
+void Linear::check_activation(const Tensor& t, int64_t features, const char* what) const {
+  OCTET_CHECK(t.defined(), "Linear: ", what, " is an undefined tensor");
+  OCTET_CHECK(t.device() == device_, "Linear(in=", in_, ", out=", out_, ") lives on ", device_,
+              " but its ", what, " is ", t.describe(), "; move the ", what, " to ", device_);
+  OCTET_CHECK(is_high_precision(t.dtype()), "Linear: ", what, " must be f32 or bf16, got ",
+              t.describe());
+  OCTET_CHECK(t.ndim() >= 1 && t.size(-1) == features, "Linear(in=", in_, ", out=", out_,
+              ") expects ", what, " [..., ", features, "], got ", t.describe());
+}
+
+FP8State& Linear::state_for(const fp8::Recipe& recipe) {
+  if (!state_ || !state_->matches(recipe)) state_ = std::make_shared<FP8State>(recipe, device_);
+  return *state_;
+}
+
+std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key,
+                                                      const fp8::Recipe* recipe) {
+  if (weight_cast_ && weight_cast_->key == key) return weight_cast_;
+  auto cast = std::make_shared<WeightCast>();
+  cast->key = key;
+  if (key.fp8) {
+    // Delayed: the state's weight scale as of this cast; current: the weight's own amax. The
+    // cast records the weight's amax into the weight slot in both (statistics for current).
+    Tensor scale;
+    if (per_tensor(*recipe)) {
+      scale = Tensor::empty({1}, DType::f32, device_);
+      if (recipe->kind == fp8::RecipeKind::delayed) {
+        ops::cast(state_->scale(TensorRole::weight), scale);
+      } else {
+        current_scale(weight_, *recipe, TensorRole::weight, scale);
+      }
+    }
+    cast->scale = scale;
+    cast->q = quantize_for(weight_, *recipe, TensorRole::weight, scale,
+                           state_->amax_slot(TensorRole::weight));
+  } else {
+    cast->dense = in_dtype(weight_, key.dtype);
+  }
+  ++weight_casts_;
+  weight_cast_ = std::move(cast);
+  return weight_cast_;
+}
+
+Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
+  check_activation(x, in_, "input");
+  Saved out;
+  if (mode == ForwardMode::recompute) {
+    OCTET_CHECK(saved.snapshot.weight != nullptr,
+                "Linear::forward(recompute) needs the snapshot of the original forward "
+                "(Saved::from_snapshot), got a Saved without one");
+    out.snapshot = saved.snapshot;
+  } else {
+    const Fp8Context* fp8_context = active_fp8();
+    Snapshot& snap = out.snapshot;
+    snap.fp8 = fp8_context != nullptr;
+    if (snap.fp8) {
+      snap.recipe = fp8_context->recipe;
+      state_for(snap.recipe);
+      fp8_context->registry->register_state(state_);
+      const bool block = snap.recipe.kind == fp8::RecipeKind::block;
+      snap.weight = weight_cast(
+          {.fp8 = true,
+           .kind = snap.recipe.kind,
+           .dtype = snap.recipe.dtype_for(TensorRole::weight),
+           .mode = snap.recipe.mode_for(TensorRole::weight),
+           .power_of_2 = block || snap.recipe.power_of_2_scales},
+          &snap.recipe);
+    } else {
+      snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr);
+    }
+  }
+  out.input_shape = x.shape();
+  out.input_dtype = x.dtype();
+
+  Shape y_shape = x.shape();
+  y_shape.back() = out_;
+  Tensor y = Tensor::empty(y_shape, x.dtype(), device_);
+  const Tensor x2 = x.view({-1, in_});
+  const Tensor y2 = y.view({-1, out_});
+  if (out.snapshot.fp8) {
+    forward_fp8(x2, y2, mode, out);
+  } else {
+    forward_dense(x2, y2, out);
+  }
+  saved = std::move(out);
+  return y;
+}
+
+void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved) {
+  Snapshot& snap = saved.snapshot;
+  const fp8::Recipe& recipe = snap.recipe;
+  const bool record = mode == ForwardMode::normal;
+  OCTET_CHECK(state_ != nullptr, "Linear: FP8 forward without an FP8 state");
+
+  Tensor input_scale;
+  if (per_tensor(recipe)) {
+    if (record) {  // the scales in use, copied so that recompute sees these even after updates
+      snap.scales = Tensor::empty({2}, DType::f32, device_);
+      input_scale = snap.scales.slice(0, 1);
+      if (recipe.kind == fp8::RecipeKind::delayed) {
+        ops::cast(state_->scale(TensorRole::input), input_scale);
+      } else {
+        current_scale(x, recipe, TensorRole::input, input_scale);
+      }
+      ops::cast(snap.weight->scale, snap.scales.slice(1, 2));
+    } else {
+      OCTET_CHECK(snap.scales.defined() && snap.scales.numel() == 2,
+                  "Linear::forward(recompute): the snapshot of a per-tensor FP8 recipe must hold "
+                  "the two scales of the original forward, got ", snap.scales.describe());
+      input_scale = snap.scales.slice(0, 1);
+    }
+  }
+  saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
+                               record ? state_->amax_slot(TensorRole::input) : Tensor());
+  if (record) state_->mark_recorded(Pass::forward);
+
+  ops::GemmArgs args;
+  args.bias = bias_;
+  args.accumulation = ops::Accumulation::fast;
+  // TN: x [rows, in] times (W [out, in])^T.
+  ops::gemm(ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/false),
+            ops::GemmOperand::fp8(snap.weight->q, /*use_transposed_copy=*/false,
+                                  /*transpose=*/true),
+            y, args);
+}
+
+void Linear::forward_dense(const Tensor& x, const Tensor& y, Saved& saved) {
+  saved.input = in_dtype(x, compute_dtype_);
+  ops::GemmArgs args;
+  args.bias = bias_;
+  ops::gemm(ops::GemmOperand::dense(saved.input),
+            ops::GemmOperand::dense(saved.snapshot.weight->dense, /*transpose=*/true), y, args);
+}
+
+Tensor Linear::backward(const Tensor& dy, const Saved& saved) {
+  OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr,
+              "Linear::backward needs the Saved of a forward (or of a recompute), got an empty "
+              "one");
+  check_activation(dy, out_, "grad_output");
+  Shape expected = saved.input_shape;
+  expected.back() = out_;
+  OCTET_CHECK(dy.shape() == expected, "Linear::backward expects grad_output of shape ",
+              shape_str(expected), " (the output's), got ", dy.describe());
+
+  Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
+  const Tensor dy2 = dy.view({-1, out_});
+  const Tensor dx2 = dx.view({-1, in_});
+  if (grad_bias_.defined()) ops::sum_rows(dy2, grad_bias_, /*accumulate=*/true);
+  if (saved.snapshot.fp8) {
+    backward_fp8(dy2, dx2, saved);
+  } else {
+    backward_dense(dy2, dx2, saved);
+  }
+  return dx;
+}
+
+void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved) {
+  const fp8::Recipe& recipe = saved.snapshot.recipe;
+  OCTET_CHECK(state_ != nullptr && state_->matches(recipe),
+              "Linear::backward: the FP8 state of the forward's recipe ", recipe.name(),
+              " is gone (was the layer run under another recipe in between?)");
+  Tensor scale;
+  if (recipe.kind == fp8::RecipeKind::delayed) {
+    scale = state_->scale(TensorRole::grad_output);
+  } else if (recipe.kind == fp8::RecipeKind::current) {
+    scale = Tensor::empty({1}, DType::f32, device_);
+    current_scale(dy, recipe, TensorRole::grad_output, scale);
+  }
+  const fp8::QuantizedTensor dy_q = quantize_for(dy, recipe, TensorRole::grad_output, scale,
+                                                 state_->amax_slot(TensorRole::grad_output));
+  state_->mark_recorded(Pass::backward);
+
+  ops::GemmArgs dgrad;
+  dgrad.accumulation = ops::Accumulation::split;
+  // TN: dy [rows, out] times (W^T [in, out])^T.
+  ops::gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/false),
+            ops::GemmOperand::fp8(saved.snapshot.weight->q, /*use_transposed_copy=*/true,
+                                  /*transpose=*/true),
+            dx, dgrad);
+
+  ops::GemmArgs wgrad;
+  wgrad.beta = 1.0f;  // accumulate over microbatches
+  wgrad.accumulation = ops::Accumulation::split;
+  // TN: dy^T [out, rows] times (x^T [in, rows])^T.
+  ops::gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/true),
+            ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/true, /*transpose=*/true),
+            grad_weight_, wgrad);
+}
+
+void Linear::backward_dense(const Tensor& dy, const Tensor& dx, const Saved& saved) {
+  const Tensor dy_c = in_dtype(dy, saved.input.dtype());
+  // dx [rows, in] = dy [rows, out] W [out, in].
+  ops::gemm(ops::GemmOperand::dense(dy_c), ops::GemmOperand::dense(saved.snapshot.weight->dense),
+            dx);
+  ops::GemmArgs wgrad;
+  wgrad.beta = 1.0f;
+  // grad_weight [out, in] += dy^T [out, rows] x [rows, in].
+  ops::gemm(ops::GemmOperand::dense(dy_c, /*transpose=*/true),
+            ops::GemmOperand::dense(saved.input), grad_weight_, wgrad);
+}
+
+}  // namespace octet::nn

@@ -1,0 +1,160 @@
+// Dispatcher of the attention family: validates arguments against the AttentionShape, then runs
+// the CPU or CUDA backend through dispatch() (device guard + NVTX range).
+#include "octet/ops/attention.h"
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops/attention_backend.h"
+#include "ops/dispatch.h"
+
+namespace octet::ops {
+namespace {
+
+/// Every extent must fit the kernels' 32-bit loop counters.
+constexpr int64_t kMaxExtent = INT32_MAX;
+
+using NamedTensors = std::vector<std::pair<const Tensor*, const char*>>;
+
+std::string shape_text(const AttentionShape& s) {
+  return detail::concat("(batch=", s.batch, ", seq=", s.seq, ", heads=", s.heads,
+                        ", head_dim=", s.head_dim, ")");
+}
+
+/// a * b, throwing instead of overflowing.
+int64_t checked_mul(int64_t a, int64_t b, const char* op, const AttentionShape& s) {
+  int64_t product = 0;
+  OCTET_CHECK(!__builtin_mul_overflow(a, b, &product), op, ": attention shape ", shape_text(s),
+              " overflows 64-bit element counts");
+  return product;
+}
+
+void check_attention_shape(const AttentionShape& s, const char* op) {
+  for (int64_t extent : {s.batch, s.seq, s.heads, s.head_dim}) {
+    OCTET_CHECK(extent >= 1 && extent <= kMaxExtent, op,
+                ": attention shape must have batch, seq, heads and head_dim in [1, ", kMaxExtent,
+                "], got ", shape_text(s));
+  }
+}
+
+/// Throws unless `t` is the 2-D token matrix [batch*seq, parts*heads*head_dim] of `s`.
+void check_token_matrix(const Tensor& t, const AttentionShape& s, int64_t parts, const char* op,
+                        const char* what) {
+  const Shape expected{checked_mul(s.batch, s.seq, op, s),
+                       checked_mul(checked_mul(parts, s.heads, op, s), s.head_dim, op, s)};
+  OCTET_CHECK(t.shape() == expected, op, ": ", what, " must be [batch*seq, ",
+              parts == 1 ? "" : "3*", "heads*head_dim] = ", shape_str(expected), " for ",
+              shape_text(s), ", got ", t.describe());
+}
+
+/// Throws unless `t` is defined and has qkv's dtype.
+void check_dtype_matches(const Tensor& t, const Tensor& qkv, const char* op, const char* what) {
+  OCTET_CHECK(t.defined(), op, ": ", what, " is an undefined tensor");
+  OCTET_CHECK(t.dtype() == qkv.dtype(), op, ": ", what, " must have qkv's dtype ",
+              dtype_name(qkv.dtype()), ", got ", t.describe());
+}
+
+void check_lse(const Tensor& lse, const AttentionShape& s, const char* op) {
+  OCTET_CHECK(lse.defined(), op, ": lse is an undefined tensor");
+  const Shape expected{s.batch, s.heads, s.seq};
+  OCTET_CHECK(lse.dtype() == DType::f32 && lse.shape() == expected, op,
+              ": lse must be f32[batch, heads, seq] = f32", shape_str(expected), " for ",
+              shape_text(s), ", got ", lse.describe());
+}
+
+/// Throws unless every tensor is on the first one's device, naming the first that is not.
+void check_same_device(const NamedTensors& tensors, const char* op) {
+  const auto& [first, first_name] = tensors.front();
+  for (const auto& [t, name] : tensors) {
+    OCTET_CHECK(t->device() == first->device(), op, ": all tensors must be on one device, got ",
+                first_name, " ", first->describe(), " and ", name, " ", t->describe());
+  }
+}
+
+/// Throws when the output `a` shares bytes with `b` (the kernels read b while writing a).
+void check_disjoint(const Tensor& a, const char* a_name, const Tensor& b, const char* b_name,
+                    const char* op) {
+  const auto* a0 = static_cast<const char*>(a.raw_data());
+  const auto* b0 = static_cast<const char*>(b.raw_data());
+  const bool overlap = a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+  OCTET_CHECK(!overlap, op, ": ", a_name, " must not share memory with ", b_name, ", got ",
+              a.describe(), " and ", b.describe());
+}
+
+}  // namespace
+
+void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
+                       const Tensor& lse) {
+  constexpr const char* op = "attention_forward";
+  check_attention_shape(shape, op);
+  check_float_activation(qkv, op, "qkv");
+  check_token_matrix(qkv, shape, 3, op, "qkv");
+  check_dtype_matches(out, qkv, op, "out");
+  check_token_matrix(out, shape, 1, op, "out");
+  check_lse(lse, shape, op);
+  check_same_device({{&qkv, "qkv"}, {&out, "out"}, {&lse, "lse"}}, op);
+  check_disjoint(out, "out", qkv, "qkv", op);
+  check_disjoint(lse, "lse", qkv, "qkv", op);
+  check_disjoint(lse, "lse", out, "out", op);
+
+  dispatch(
+      qkv.device(), op, [&] { cpu::attention_forward(qkv, shape, out, lse); },
+      [&] {
+#if OCTET_WITH_CUDA
+        cuda::attention_forward(qkv, shape, out, lse);
+#endif
+      });
+}
+
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                        const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv) {
+  constexpr const char* op = "attention_backward";
+  check_attention_shape(shape, op);
+  check_float_activation(qkv, op, "qkv");
+  check_token_matrix(qkv, shape, 3, op, "qkv");
+  check_dtype_matches(out, qkv, op, "out");
+  check_token_matrix(out, shape, 1, op, "out");
+  check_dtype_matches(dout, qkv, op, "dout");
+  check_token_matrix(dout, shape, 1, op, "dout");
+  check_lse(lse, shape, op);
+  check_dtype_matches(dqkv, qkv, op, "dqkv");
+  check_token_matrix(dqkv, shape, 3, op, "dqkv");
+  check_same_device(
+      {{&qkv, "qkv"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dqkv, "dqkv"}}, op);
+  for (const auto& [t, name] :
+       NamedTensors{{&qkv, "qkv"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}}) {
+    check_disjoint(dqkv, "dqkv", *t, name, op);
+  }
+
+  dispatch(
+      qkv.device(), op, [&] { cpu::attention_backward(dout, qkv, out, lse, shape, dqkv); },
+      [&] {
+#if OCTET_WITH_CUDA
+        cuda::attention_backward(dout, qkv, out, lse, shape, dqkv);
+#endif
+      });
+}
+
+void rope(const Tensor& qkv, const AttentionShape& shape, float theta, bool inverse) {
+  constexpr const char* op = "rope";
+  check_attention_shape(shape, op);
+  OCTET_CHECK(shape.head_dim % 2 == 0, op,
+              ": head_dim must be even (rope rotates pairs (2i, 2i+1)), got ", shape_text(shape));
+  OCTET_CHECK(std::isfinite(theta) && theta > 0.0f, op,
+              ": theta must be finite and > 0 (10000 in GPT-NeoX and Llama), got ", theta);
+  check_float_activation(qkv, op, "qkv");
+  check_token_matrix(qkv, shape, 3, op, "qkv");
+
+  dispatch(
+      qkv.device(), op, [&] { cpu::rope(qkv, shape, theta, inverse); },
+      [&] {
+#if OCTET_WITH_CUDA
+        cuda::rope(qkv, shape, theta, inverse);
+#endif
+      });
+}
+
+}  // namespace octet::ops

@@ -1,0 +1,153 @@
+// Dispatcher of the quantize family: validates every argument (messages name what was expected
+// and what was received), then runs the backend of the tensors' device under a device guard and
+// an NVTX range. Backends (quantize_backend.h) may assume what is checked here.
+#include "octet/ops/quantize.h"
+
+#include "core/nvtx.h"
+#include "ops/quantize_backend.h"
+
+namespace octet::ops {
+namespace {
+
+using fp8::QuantizedTensor;
+using fp8::ScalingMode;
+
+/// The tensor if defined, else nullptr (common_device skips nullptr).
+const Tensor* if_defined(const Tensor& t) { return t.defined() ? &t : nullptr; }
+
+void check_high_precision(const Tensor& t, const char* op, const char* name) {
+  OCTET_CHECK(t.defined(), op, ": ", name, " is an undefined tensor; expected f32 or bf16");
+  OCTET_CHECK(is_high_precision(t.dtype()), op, ": unsupported dtype ", dtype_name(t.dtype()),
+              " for ", name, "; expected f32 or bf16, received ", t.describe());
+}
+
+void check_non_empty(const Tensor& t, const char* op, const char* name) {
+  OCTET_CHECK(t.numel() > 0, op, ": empty tensor ", name, "; expected at least one element, ",
+              "received ", t.describe());
+}
+
+/// Checks that `t` is allocated with exactly `shape` and `dtype`.
+void check_buffer(const Tensor& t, const char* op, const char* name, const Shape& shape,
+                  DType dtype) {
+  OCTET_CHECK(t.defined(), op, ": ", name, " is not allocated; expected ", dtype_name(dtype),
+              shape_str(shape));
+  OCTET_CHECK(t.shape() == shape, op, ": shape mismatch: ", name, " expected ", dtype_name(dtype),
+              shape_str(shape), ", received ", t.describe());
+  OCTET_CHECK(t.dtype() == dtype, op, ": dtype mismatch: ", name, " expected ", dtype_name(dtype),
+              shape_str(shape), ", received ", t.describe());
+}
+
+/// An f32 tensor with at least `min_numel` elements (args.scale, args.amax, amax_out).
+void check_f32_scalar(const Tensor& t, const char* op, const char* name, int64_t min_numel) {
+  OCTET_CHECK(t.dtype() == DType::f32, op, ": dtype mismatch: ", name, " expected f32, received ",
+              t.describe());
+  OCTET_CHECK(t.numel() >= min_numel, op, ": shape mismatch: ", name, " expected at least ",
+              min_numel, " element(s), received ", t.describe());
+}
+
+/// Checks the copies of `q` that are allocated: FP8 dtype, data and scale shapes and dtypes.
+void check_quantized(const QuantizedTensor& q, const char* op) {
+  OCTET_CHECK(is_fp8(q.dtype), op, ": unsupported dtype ", dtype_name(q.dtype),
+              " for the quantized tensor; expected e4m3 or e5m2");
+  OCTET_CHECK(q.rows > 0 && q.cols > 0, op, ": empty tensor: quantized tensor is [", q.rows, ", ",
+              q.cols, "]; expected at least one element");
+  OCTET_CHECK(
+      q.has_rowwise() || q.has_columnwise(), op,
+      ": the quantized tensor has neither data nor data_t allocated; expected at least one");
+  const DType sdt = fp8::scale_dtype(q.mode);
+  if (q.has_rowwise()) {
+    check_buffer(q.data, op, "data", {q.rows, q.cols}, q.dtype);
+    check_buffer(q.scale_inv, op, "scale_inv", fp8::scale_shape(q.mode, q.rows, q.cols), sdt);
+  }
+  if (q.has_columnwise()) {
+    check_buffer(q.data_t, op, "data_t", {q.cols, q.rows}, q.dtype);
+    check_buffer(q.scale_inv_t, op, "scale_inv_t", fp8::scale_shape(q.mode, q.cols, q.rows), sdt);
+  }
+}
+
+/// Refuses a GPU device by name when octet was built without the CUDA backend.
+void check_backend_built(const Device& device, const char* op) {
+  OCTET_CHECK(device.is_cpu() || built_with_cuda(), op, ": tensors are on ", device,
+              ", but octet was built without CUDA; expected cpu tensors");
+}
+
+#if OCTET_WITH_CUDA
+#define OCTET_IF_CUDA(call) call
+#else
+#define OCTET_IF_CUDA(call)  // unreachable: check_backend_built threw
+#endif
+
+/// Runs cpu::fn or cuda::fn for `device` under a device guard and an NVTX range.
+#define OCTET_DISPATCH(fn, device, ...)     \
+  do {                                      \
+    check_backend_built(device, #fn);       \
+    DeviceGuard guard_(device);             \
+    NvtxRange range_("octet::" #fn);        \
+    if ((device).is_cpu()) {                \
+      cpu::fn(__VA_ARGS__);                 \
+    } else {                                \
+      OCTET_IF_CUDA(cuda::fn(__VA_ARGS__)); \
+    }                                       \
+  } while (false)
+
+}  // namespace
+
+void amax(const Tensor& x, const Tensor& amax_out) {
+  check_high_precision(x, "amax", "x");
+  check_non_empty(x, "amax", "x");
+  OCTET_CHECK(amax_out.defined(), "amax: amax_out is an undefined tensor; expected f32[>=1]");
+  check_f32_scalar(amax_out, "amax", "amax_out", 1);
+  const Device device = common_device({&x, &amax_out}, "amax");
+  OCTET_DISPATCH(amax, device, x, amax_out);
+}
+
+void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
+  check_high_precision(x, "quantize", "x");
+  check_non_empty(x, "quantize", "x");
+  const int64_t rows = x.rows(), cols = x.cols();
+  OCTET_CHECK(out.rows == rows && out.cols == cols, "quantize: shape mismatch: out is allocated ",
+              "for a [", out.rows, ", ", out.cols, "] matrix, but x is ", x.describe(), " ([", rows,
+              ", ", cols, "] as a matrix)");
+  check_quantized(out, "quantize");
+  if (out.mode == ScalingMode::per_tensor) {
+    OCTET_CHECK(args.scale.defined(), "quantize: per_tensor scaling needs args.scale (f32[1]), ",
+                "received an undefined tensor");
+    check_f32_scalar(args.scale, "quantize", "args.scale", 1);
+    OCTET_CHECK(args.scale.numel() == 1, "quantize: shape mismatch: args.scale expected f32[1], ",
+                "received ", args.scale.describe());
+  }
+  if (args.amax.defined()) check_f32_scalar(args.amax, "quantize", "args.amax", 1);
+  const Device device =
+      common_device({&x, if_defined(out.data), if_defined(out.scale_inv), if_defined(out.data_t),
+                     if_defined(out.scale_inv_t), if_defined(args.scale), if_defined(args.amax)},
+                    "quantize");
+  OCTET_DISPATCH(quantize, device, x, out, args);
+}
+
+void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {
+  check_quantized(q, "dequantize");
+  OCTET_CHECK(transposed ? q.has_columnwise() : q.has_rowwise(), "dequantize: ",
+              transposed ? "transposed=true needs data_t" : "transposed=false needs data",
+              ", but the quantized tensor has only ", transposed ? "data" : "data_t");
+  check_high_precision(out, "dequantize", "out");
+  const int64_t rows = transposed ? q.cols : q.rows, cols = transposed ? q.rows : q.cols;
+  OCTET_CHECK(out.ndim() >= 1 && out.rows() == rows && out.cols() == cols,
+              "dequantize: shape mismatch: out expected [", rows, ", ", cols, "] as a matrix",
+              transposed ? " (transposed)" : "", ", received ", out.describe());
+  const Tensor& data = transposed ? q.data_t : q.data;
+  const Tensor& scale_inv = transposed ? q.scale_inv_t : q.scale_inv;
+  const Device device = common_device({&data, &scale_inv, &out}, "dequantize");
+  OCTET_DISPATCH(dequantize, device, q, out, transposed);
+}
+
+void cast(const Tensor& x, const Tensor& out) {
+  check_high_precision(x, "cast", "x");
+  check_high_precision(out, "cast", "out");
+  OCTET_CHECK(x.shape() == out.shape(), "cast: shape mismatch: out expected shape ",
+              shape_str(x.shape()), " (as x), received ", out.describe());
+  const Device device = common_device({&x, &out}, "cast");
+  if (x.numel() == 0) return;  // nothing to convert
+  OCTET_DISPATCH(cast, device, x, out);
+}
+
+}  // namespace octet::ops

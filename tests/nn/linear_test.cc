@@ -1,0 +1,435 @@
+#include "octet/nn/linear.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+
+#include "octet/nn/autocast.h"
+#include "test_util.h"
+
+namespace octet::nn {
+namespace {
+
+using fp8::Recipe;
+using ::testing::HasSubstr;
+using testing::fresh_seed;
+using testing::to_floats;
+
+std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
+
+// ----------------------------------------------------------------------------
+// FP32: finite-difference gradients
+
+struct FdShape {
+  Shape x;  ///< [..., in]
+  int64_t out;
+  bool bias;
+};
+
+using FdParam = std::tuple<Device, FdShape>;
+class LinearGradientTest : public ::testing::TestWithParam<FdParam> {};
+
+/// loss = sum(y * g) in float64, so dloss/dy = g.
+double loss(Linear& layer, const Tensor& x, const std::vector<float>& g) {
+  Linear::Saved saved;
+  const std::vector<float> y = to_floats(layer.forward(x, saved));
+  double sum = 0;
+  for (size_t i = 0; i < y.size(); ++i) sum += double(y[i]) * g[i];
+  return sum;
+}
+
+/// Sets element i of the f32 tensor t (any device) to v; returns the value it held.
+float exchange(const Tensor& t, int64_t i, float v) {
+  std::vector<float> values = to_floats(t);
+  const float old = values[i];
+  values[i] = v;
+  Tensor(t).copy_from(Tensor::from_vector(values, t.shape()));
+  return old;
+}
+
+/// Central difference of loss over element i of t, in float64. The step is the one actually
+/// stored (fl(t_i +- h) - t_i), so rounding of the perturbed parameter adds no error. The loss is
+/// linear in every parameter, so the difference quotient is exact up to the rounding of y.
+double central_difference(Linear& layer, const Tensor& x, const std::vector<float>& g,
+                          const Tensor& t, int64_t i) {
+  constexpr float kStep = 1.0f / 64;
+  const float center = to_floats(t)[i];
+  const float plus = center + kStep, minus = center - kStep;
+  exchange(t, i, plus);
+  layer.on_weights_updated();
+  const double loss_plus = loss(layer, x, g);
+  exchange(t, i, minus);
+  layer.on_weights_updated();
+  const double loss_minus = loss(layer, x, g);
+  exchange(t, i, center);
+  layer.on_weights_updated();
+  return (loss_plus - loss_minus) / (double(plus) - double(minus));
+}
+
+/// |analytic - numeric| <= kAbs + kRel |numeric|: the rounding of y (float, |y| ~ 1) divided by
+/// the step 2/64 stays far below these.
+constexpr double kFdAbs = 5e-4;
+constexpr double kFdRel = 1e-3;
+
+TEST_P(LinearGradientTest, MatchesCentralDifferences) {
+  const auto& [device, shape] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t in = shape.x.back();
+  Linear layer(in, shape.out, shape.bias, device, seed);
+  Tensor x = testing::random_tensor(shape.x, DType::f32, seed + 1).to(device);
+  Shape y_shape = shape.x;
+  y_shape.back() = shape.out;
+  Tensor g = testing::random_tensor(y_shape, DType::f32, seed + 2).to(device);
+  const std::vector<float> gs = to_floats(g);
+
+  Linear::Saved saved;
+  layer.forward(x, saved);
+  const Tensor dx = layer.backward(g, saved);
+  EXPECT_EQ(dx.shape(), shape.x);
+  EXPECT_EQ(dx.device(), device);
+
+  auto check = [&](const Tensor& param, const Tensor& analytic, const char* what) {
+    const std::vector<float> a = to_floats(analytic);
+    for (int64_t i = 0; i < param.numel(); ++i) {
+      const double numeric = central_difference(layer, x, gs, param, i);
+      ASSERT_NEAR(a[i], numeric, kFdAbs + kFdRel * std::fabs(numeric)) << what << "[" << i << "]";
+    }
+  };
+  check(x, dx, "dx");
+  check(layer.weight(), layer.grad_weight(), "dW");
+  if (shape.bias) {
+    check(layer.bias(), layer.grad_bias(), "db");
+  } else {
+    EXPECT_FALSE(layer.grad_bias().defined());
+  }
+}
+
+std::string fd_param_name(const ::testing::TestParamInfo<FdParam>& info) {
+  const Device& device = std::get<0>(info.param);
+  const FdShape& shape = std::get<1>(info.param);
+  return device_name(device) + "_" + std::to_string(shape_numel(shape.x)) + "x" +
+         std::to_string(shape.out) + (shape.bias ? "_bias" : "_nobias");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, LinearGradientTest,
+    ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                       ::testing::Values(FdShape{{4, 5}, 3, true}, FdShape{{2, 3, 7}, 4, true},
+                                         FdShape{{3, 6}, 2, false}, FdShape{{1, 1}, 1, true})),
+    fd_param_name);
+
+// ----------------------------------------------------------------------------
+// FP8 against FP32
+
+/// Error metrics against the FP32 reference. All values are first divided by the reference's
+/// RMS, so "values of unit scale" holds whatever the layer's gain:
+///   elementwise: |a - r| <= atol + rtol * |r| for every element;
+///   rel_l2 = ||a - r|| / ||r||.
+struct Tolerance {
+  double rtol, atol, rel_l2;
+};
+
+/// E4M3 operands (3 mantissa bits: relative rounding error up to 2^-4 per operand).
+constexpr Tolerance kE4M3Tol{0.125, 0.0675, 0.0675};
+/// Outputs of an E5M2 (2 mantissa bits) times E4M3 GEMM: twice the E4M3 bounds.
+constexpr Tolerance kE5M2Tol{0.25, 0.135, 0.135};
+
+::testing::AssertionResult within(const Tensor& actual, const Tensor& reference,
+                                  const Tolerance& tol) {
+  const std::vector<float> a = to_floats(actual), r = to_floats(reference);
+  double ss = 0;
+  for (float v : r) ss += double(v) * v;
+  const double rms = std::sqrt(ss / r.size());
+  if (!(rms > 0)) return ::testing::AssertionFailure() << "reference is all zero";
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]))
+      return ::testing::AssertionFailure() << "element " << i << " is " << a[i];
+    const double err = std::fabs(a[i] - r[i]) / rms;
+    if (err > tol.atol + tol.rtol * std::fabs(r[i]) / rms)
+      return ::testing::AssertionFailure()
+             << "element " << i << ": " << a[i] << " vs reference " << r[i] << " (rms " << rms
+             << "), normalised error " << err;
+  }
+  const double l2 = testing::relative_l2(a, r);
+  if (l2 > tol.rel_l2)
+    return ::testing::AssertionFailure() << "relative L2 error " << l2 << " > " << tol.rel_l2;
+  return ::testing::AssertionSuccess() << "relative L2 error " << l2;
+}
+
+std::vector<Recipe> all_recipes() {
+  return {Recipe::delayed(), Recipe::current(), Recipe::block(), Recipe::mxfp8()};
+}
+
+using Fp8Param = std::tuple<Device, Recipe>;
+class LinearFp8Test : public ::testing::TestWithParam<Fp8Param> {};
+
+std::string fp8_param_name(const ::testing::TestParamInfo<Fp8Param>& info) {
+  const auto& [device, recipe] = info.param;
+  std::string name = device_name(device) + "_" + recipe.name();
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+}
+
+/// One microbatch: forward under autocast (finalized at scope exit), backward, finalize.
+Tensor run_microbatch(Linear& layer, const Recipe& recipe, AmaxRegistry& registry,
+                      const Tensor& x, const Tensor& dy, Tensor* y_out = nullptr) {
+  Linear::Saved saved;
+  Tensor y;
+  {
+    Fp8Autocast scope(recipe, registry);
+    y = layer.forward(x, saved);
+  }
+  Tensor dx = layer.backward(dy, saved);
+  registry.finalize_backward();
+  if (y_out) *y_out = y;
+  return dx;
+}
+
+TEST_P(LinearFp8Test, ForwardAndBackwardTrackFp32) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // Multiples of 16 (the FP8 GEMM rule) that leave partial 128-wide blocks.
+  const int64_t in = 192, out = 144;
+  const Shape x_shape{2, 80, in}, y_shape{2, 80, out};
+  Linear fp8_layer(in, out, true, device, seed);
+  Linear reference(in, out, true, device, seed);
+  Tensor x = testing::random_tensor(x_shape, DType::f32, seed + 1).to(device);
+  Tensor dy = testing::random_tensor(y_shape, DType::f32, seed + 2).to(device);
+
+  AmaxRegistry registry;
+  if (recipe.kind == fp8::RecipeKind::delayed) {
+    // Calibrate: the first pass runs at scale 1; the measured one uses the amaxes it recorded.
+    run_microbatch(fp8_layer, recipe, registry, x, dy);
+    fp8_layer.zero_grad();
+    fp8_layer.on_weights_updated();
+  }
+  Tensor y;
+  const Tensor dx = run_microbatch(fp8_layer, recipe, registry, x, dy, &y);
+
+  Linear::Saved saved;
+  const Tensor y_ref = reference.forward(x, saved);
+  const Tensor dx_ref = reference.backward(dy, saved);
+
+  const bool hybrid = recipe.format == fp8::Fp8Format::hybrid;
+  EXPECT_TRUE(within(y, y_ref, kE4M3Tol)) << "y";
+  EXPECT_TRUE(within(dx, dx_ref, hybrid ? kE5M2Tol : kE4M3Tol)) << "dx";
+  EXPECT_TRUE(within(fp8_layer.grad_weight(), reference.grad_weight(),
+                     hybrid ? kE5M2Tol : kE4M3Tol))
+      << "dW";
+  // The bias gradient is summed from the high-precision dy: exact to FP32 rounding.
+  EXPECT_TRUE(testing::bitwise_equal(reference.grad_bias(), fp8_layer.grad_bias()));
+}
+
+TEST_P(LinearFp8Test, GradientsAccumulateOverMicrobatches) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t in = 48, out = 32, tokens = 16;
+  Tensor x[2], dy[2];
+  for (int m = 0; m < 2; ++m) {
+    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
+    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
+  }
+  // Accumulated: both microbatches into one gradient.
+  Linear accumulated(in, out, true, device, seed);
+  AmaxRegistry registry_a;
+  for (int m = 0; m < 2; ++m) run_microbatch(accumulated, recipe, registry_a, x[m], dy[m]);
+  // Separate: the same sequence (so delayed scales evolve identically), gradients read apart.
+  Linear separate(in, out, true, device, seed);
+  AmaxRegistry registry_s;
+  std::vector<float> sum_w(in * out, 0.0f), sum_b(out, 0.0f);
+  for (int m = 0; m < 2; ++m) {
+    separate.zero_grad();
+    run_microbatch(separate, recipe, registry_s, x[m], dy[m]);
+    const std::vector<float> gw = to_floats(separate.grad_weight());
+    const std::vector<float> gb = to_floats(separate.grad_bias());
+    for (size_t i = 0; i < gw.size(); ++i) sum_w[i] += gw[i];
+    for (size_t i = 0; i < gb.size(); ++i) sum_b[i] += gb[i];
+  }
+  // (0 + g1) + g2 and g1 + g2 round alike; allow one rounding of the GEMM's beta epilogue.
+  const std::vector<float> acc_w = to_floats(accumulated.grad_weight());
+  for (size_t i = 0; i < acc_w.size(); ++i)
+    ASSERT_NEAR(acc_w[i], sum_w[i], 1e-6 * (std::fabs(sum_w[i]) + 1e-3)) << "dW[" << i << "]";
+  EXPECT_TRUE(testing::bitwise_equal(Tensor::from_vector(sum_b, {out}),
+                                     accumulated.grad_bias()));
+  EXPECT_FALSE(testing::bitwise_equal(Tensor::from_vector(sum_w, {out, in}),
+                                      separate.grad_weight()))
+      << "the second microbatch alone must differ from the sum";
+}
+
+TEST_P(LinearFp8Test, WeightIsCastOncePerStepAndReusedAcrossMicrobatches) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Linear layer(32, 32, true, device, seed);
+  AmaxRegistry registry;
+  std::vector<Linear::Saved> saved(3);
+  std::vector<uint8_t> scale_inv_bytes;
+  for (int m = 0; m < 3; ++m) {
+    Tensor x = testing::random_tensor({16, 32}, DType::f32, seed + 1 + m).to(device);
+    {
+      Fp8Autocast scope(recipe, registry);
+      layer.forward(x, saved[m]);
+    }
+    EXPECT_EQ(layer.weight_casts(), 1) << "microbatch " << m;
+    EXPECT_EQ(saved[m].snapshot.weight, saved[0].snapshot.weight) << "microbatch " << m;
+    // The cast owns its scales: the finalizes in between do not reach it.
+    std::vector<uint8_t> bytes = testing::to_bytes(saved[m].snapshot.weight->q.scale_inv);
+    if (m == 0) scale_inv_bytes = bytes;
+    EXPECT_EQ(bytes, scale_inv_bytes) << "microbatch " << m;
+  }
+  layer.on_weights_updated();  // the optimizer stepped
+  {
+    Fp8Autocast scope(recipe, registry);
+    Linear::Saved next;
+    layer.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(device), next);
+    EXPECT_NE(next.snapshot.weight, saved[0].snapshot.weight);
+  }
+  EXPECT_EQ(layer.weight_casts(), 2);
+  if (recipe.kind == fp8::RecipeKind::delayed) {
+    // The new cast used the scale learned from the first cast's weight amax.
+    EXPECT_NE(testing::to_bytes(saved[0].snapshot.weight->scale),
+              testing::to_bytes(layer.fp8_state()->scale(fp8::TensorRole::weight)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, LinearFp8Test,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::ValuesIn(all_recipes())),
+                         fp8_param_name);
+
+// ----------------------------------------------------------------------------
+// High precision, errors, placement
+
+class LinearBackendTest : public ::testing::TestWithParam<Device> {};
+
+TEST_P(LinearBackendTest, Bf16ComputeTracksFp32AndCastsOncePerStep) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Linear bf16(40, 24, true, device, seed, DType::bf16);
+  Linear f32(40, 24, true, device, seed, DType::f32);
+  Tensor x = testing::random_tensor({3, 5, 40}, DType::bf16, seed + 1).to(device);
+  Tensor dy = testing::random_tensor({3, 5, 24}, DType::bf16, seed + 2).to(device);
+  Linear::Saved s1, s2;
+  Tensor y = bf16.forward(x, s1);
+  EXPECT_EQ(y.dtype(), DType::bf16);
+  EXPECT_EQ(y.shape(), (Shape{3, 5, 24}));
+  Tensor dx = bf16.backward(dy, s1);
+  EXPECT_EQ(dx.dtype(), DType::bf16);
+  bf16.forward(x, s2);
+  EXPECT_EQ(bf16.weight_casts(), 1);
+  EXPECT_EQ(s2.snapshot.weight->dense.dtype(), DType::bf16);
+
+  Tensor x32 = Tensor::empty(x.shape(), DType::f32, device);
+  x32.copy_from(Tensor::from_vector(to_floats(x), x.shape()).to(device));
+  Tensor dy32 = Tensor::from_vector(to_floats(dy), dy.shape()).to(device);
+  Linear::Saved s32;
+  Tensor y32 = f32.forward(x32, s32);
+  Tensor dx32 = f32.backward(dy32, s32);
+  // bf16 operands (8 bits of mantissa: 2^-8 relative) and a bf16 output.
+  constexpr Tolerance kBf16Tol{0.02, 0.02, 0.01};
+  EXPECT_TRUE(within(y, y32, kBf16Tol));
+  EXPECT_TRUE(within(dx, dx32, kBf16Tol));
+  EXPECT_TRUE(within(bf16.grad_weight(), f32.grad_weight(), kBf16Tol));
+}
+
+TEST_P(LinearBackendTest, RejectsInputsThatDoNotFit) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  Linear layer(8, 4, true, device, fresh_seed());
+  Linear::Saved saved;
+  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 7}, DType::f32, device), saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("expects input [..., 8], got f32[3, 7]")));
+  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 8}, DType::i32, device), saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("must be f32 or bf16, got i32[3, 8]")));
+  EXPECT_THAT([&] { layer.backward(Tensor::zeros({3, 4}, DType::f32, device), saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("needs the Saved of a forward")));
+  layer.forward(Tensor::zeros({3, 8}, DType::f32, device), saved);
+  EXPECT_THAT([&] { layer.backward(Tensor::zeros({2, 4}, DType::f32, device), saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("expects grad_output of shape [3, 4]")));
+  Linear::Saved empty;
+  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 8}, DType::f32, device), empty,
+                                  ForwardMode::recompute); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("needs the snapshot")));
+}
+
+TEST_P(LinearBackendTest, Fp8DimensionsNotMultipleOf16SurfaceTheGemmError) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  Linear layer(24, 16, true, device, fresh_seed());
+  AmaxRegistry registry;
+  Linear::Saved saved;
+  Tensor x = testing::random_tensor({16, 24}, DType::f32, fresh_seed()).to(device);
+  EXPECT_THAT(
+      [&] {
+        Fp8Autocast scope(Recipe::current(), registry);
+        layer.forward(x, saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("16")));
+  EXPECT_EQ(registry.forward_update_count(), 0);  // the failed pass was not finalized
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, LinearBackendTest, ::testing::ValuesIn(testing::all_backends()),
+                         [](const auto& info) { return device_name(info.param); });
+
+TEST(LinearPlacement, InputOnAnotherDeviceIsRejectedWithBothDevicesNamed) {
+  if (cuda_device_count() < 1) GTEST_SKIP() << "needs a GPU";
+  Linear on_cpu(8, 4, true, Device::cpu(), fresh_seed());
+  Linear::Saved saved;
+  EXPECT_THAT(
+      [&] { on_cpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved); },
+      ::testing::ThrowsMessage<Error>(
+          HasSubstr("lives on cpu but its input is f32[2, 8] on cuda:0; move the input to cpu")));
+  Linear on_gpu(8, 4, true, Device::cuda(0), fresh_seed());
+  on_gpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved);
+  EXPECT_THAT([&] { on_gpu.backward(Tensor::zeros({2, 4}, DType::f32), saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("its grad_output is f32[2, 4] on cpu")));
+}
+
+TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs 2 GPUs";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Linear on1(32, 32, true, Device::cuda(1), seed);
+  Linear on0(32, 32, true, Device::cuda(0), seed + 1);
+  AmaxRegistry registry;
+  Linear::Saved s1, s0;
+  Tensor y;
+  {
+    Fp8Autocast scope(Recipe::delayed(), registry);
+    Tensor h = on1.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(Device::cuda(1)),
+                           s1);
+    y = on0.forward(h.to(Device::cuda(0)), s0);
+  }
+  EXPECT_EQ(y.device(), Device::cuda(0));
+  for (const Linear* l : {&on1, &on0}) {
+    const FP8State& state = *l->fp8_state();
+    EXPECT_EQ(state.device(), l->device());
+    EXPECT_EQ(state.group(Pass::forward).amax_history.device(), l->device());
+    EXPECT_EQ(state.group(Pass::backward).scale.device(), l->device());
+    EXPECT_EQ(state.forward_updates(), 1);
+  }
+  EXPECT_EQ(registry.scaling_update_calls(), 2);  // one per device
+  Tensor g = on0.backward(testing::random_tensor({16, 32}, DType::f32, seed + 2)
+                              .to(Device::cuda(0)), s0);
+  on1.backward(g.to(Device::cuda(1)), s1);
+  registry.finalize_backward();
+  EXPECT_EQ(registry.scaling_update_calls(), 4);
+  EXPECT_EQ(on1.fp8_state()->backward_updates(), 1);
+}
+
+}  // namespace
+}  // namespace octet::nn

@@ -1,0 +1,612 @@
+// The parity suite of the quantize family (ggml test-backend-ops / TE style): every backend's
+// amax, quantize (data, data_t, scale_inv, scale_inv_t, amax), dequantize and cast must equal the
+// scalar reference of quantize_ref.h bit for bit, on fresh random inputs shaped so that
+// saturation, FP8 subnormals and underflow all occur. Bad inputs must be refused by name.
+#include "octet/ops/quantize.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/quantize_ref.h"
+#include "test_util.h"
+
+namespace octet {
+namespace {
+
+using fp8::QuantizedTensor;
+using fp8::ScalingMode;
+using fp8::Usage;
+using testing::bitwise_equal;
+using testing::fresh_seed;
+using ::testing::HasSubstr;
+namespace ref = testing::ref;
+
+// ----------------------------------------------------------------------------
+// Inputs
+
+/// Log-uniform draws reach this many binades below the case's magnitude: more than E5M2's 32
+/// binades from its max to half its smallest subnormal, so every scaling underflows some values.
+constexpr float kLogBinades = 40;
+/// Every kOutlierRowPeriod-th row (row 0 included) holds planted outliers.
+constexpr int64_t kOutlierRowPeriod = 7;
+/// Outliers relative to the magnitude: 2^12 above (crushes the rest of its block to zero) and
+/// 2^-60 below (underflows whatever its block's scale).
+constexpr float kHugeFactor = 4096.0f;
+constexpr float kTinyFactor = 8.67361738e-19f;  // 2^-60
+/// A float subnormal (below FLT_MIN = 1.18e-38), representable in bf16 as well.
+constexpr float kFloatSubnormal = 1e-40f;
+/// per_tensor: scale so that |x| above this fraction of the magnitude saturates (a few percent
+/// of the values; see make_input's distribution).
+constexpr float kSaturatingFraction = 0.9f;
+
+/// Rounds v to what a tensor of `dtype` holds.
+float representable(float v, DType dtype) {
+  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(v)) : v;
+}
+
+/// A CPU tensor of dtype f32 or bf16 holding `values` (already representable).
+Tensor make_tensor(const std::vector<float>& values, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  if (dtype == DType::f32) {
+    std::memcpy(t.raw_data(), values.data(), t.nbytes());
+  } else {
+    auto* bits = static_cast<uint16_t*>(t.raw_data());
+    // The top half of a representable value is its bf16 (NaN payloads kept).
+    for (size_t i = 0; i < values.size(); ++i)
+      bits[i] = static_cast<uint16_t>(ref::to_bits(values[i]) >> 16);
+  }
+  return t;
+}
+
+/// A tensor's copy on `device`, or the tensor itself when it is already there.
+Tensor on(const Tensor& t, const Device& device) { return t.device() == device ? t : t.to(device); }
+
+/// rows x cols values around `magnitude`: half uniform in [-m, m], half log-uniform over
+/// kLogBinades binades below m; outlier rows with huge, tiny, float-subnormal and -0 values; one
+/// all-zero region that covers whole blocks of every mode (zero amax). Rounded to `dtype`.
+std::vector<float> make_input(int64_t rows, int64_t cols, DType dtype, uint64_t seed,
+                              float magnitude) {
+  std::vector<float> x(rows * cols);
+  // The zero region: a 128x128 tile (or what fits) away from the edges when there is room.
+  const int64_t zr0 = rows >= 256 ? 128 : 0, zr1 = std::min(rows, zr0 + 128);
+  const int64_t zc0 = cols >= 384 ? 256 : 0, zc1 = std::min(cols, zc0 + 128);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    std::mt19937_64 rng(seed ^ (0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1)));
+    std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+    const bool outlier_row = r % kOutlierRowPeriod == 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      const uint64_t bits = rng();
+      const float sign = (bits & 1) ? -1.0f : 1.0f;
+      const float u = unit(rng);
+      float v = (bits & 2) ? magnitude * u : magnitude * std::exp2(-kLogBinades * u);
+      if (outlier_row) {
+        if (c % 53 == 17) v = magnitude * kHugeFactor;
+        if (c % 53 == 31) v = magnitude * kTinyFactor;
+        if (c % 101 == 7) v = kFloatSubnormal;
+        if (c % 101 == 50) v = 0.0f;  // signed below: -0 or +0
+      }
+      if (r >= zr0 && r < zr1 && c >= zc0 && c < zc1) v = 0.0f;
+      x[r * cols + c] = representable(sign * v, dtype);
+    }
+  }
+  return x;
+}
+
+/// A magnitude 2^k * (1 + f), k in [-20, 20]: not a power of two, so scales round.
+float draw_magnitude(std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> binade(-20, 20);
+  std::uniform_real_distribution<float> mantissa(1.0f, 2.0f);
+  return std::ldexp(mantissa(rng), binade(rng));
+}
+
+Tensor scalar_on(float v, const Device& device) {
+  return on(Tensor::from_vector({v}, {1}), device);
+}
+
+std::string shape_name(int64_t rows, int64_t cols) {
+  return std::to_string(rows) + "x" + std::to_string(cols);
+}
+std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
+
+struct MatrixShape {
+  int64_t rows, cols;
+};
+/// Awkward shapes (TE's), an aligned one, and a large one that only the GPU runs.
+const std::vector<MatrixShape> kShapes = {{1, 3221}, {2333, 1}, {1481, 677}, {128, 256}};
+constexpr MatrixShape kLargeGpuShape = {16384, 8192};
+const std::vector<ScalingMode> kModes = {ScalingMode::per_tensor, ScalingMode::block_1x128,
+                                         ScalingMode::block_128x128, ScalingMode::mxfp8_1x32};
+
+// ----------------------------------------------------------------------------
+// quantize + dequantize parity
+
+struct QuantizeCase {
+  Device backend;
+  DType input;
+  DType fp8;
+  ScalingMode mode;
+  Usage usage;
+  MatrixShape shape;
+};
+
+std::string usage_name(Usage u) {
+  return u.rowwise && u.columnwise ? "both" : u.rowwise ? "rowwise" : "columnwise";
+}
+
+std::vector<QuantizeCase> quantize_cases() {
+  const std::vector<Usage> usages = {{true, false}, {true, true}, {false, true}};
+  std::vector<QuantizeCase> cases;
+  for (const Device& backend : testing::all_backends()) {
+    std::vector<MatrixShape> shapes = kShapes;
+    if (backend.is_cuda()) shapes.push_back(kLargeGpuShape);
+    for (DType input : {DType::f32, DType::bf16})
+      for (DType fp8 : {DType::e4m3, DType::e5m2})
+        for (ScalingMode mode : kModes)
+          for (Usage usage : usages)
+            for (MatrixShape shape : shapes) {
+              // Column-wise only adds no kernel path worth the large shape's time.
+              if (!usage.rowwise && shape.rows == kLargeGpuShape.rows) continue;
+              cases.push_back({backend, input, fp8, mode, usage, shape});
+            }
+  }
+  return cases;
+}
+
+std::string quantize_case_name(const ::testing::TestParamInfo<QuantizeCase>& info) {
+  const QuantizeCase& p = info.param;
+  return device_name(p.backend) + "_" + std::string(dtype_name(p.input)) + "_" +
+         std::string(dtype_name(p.fp8)) + "_" + std::string(fp8::scaling_mode_name(p.mode)) + "_" +
+         usage_name(p.usage) + "_" + shape_name(p.shape.rows, p.shape.cols);
+}
+
+/// Compares data, data_t, scale_inv and scale_inv_t (those allocated) with the reference.
+void expect_matches_reference(const ref::Quantized& expected, const QuantizedTensor& q) {
+  if (q.has_rowwise()) {
+    EXPECT_TRUE(bitwise_equal(expected.tensor.data, q.data)) << "data";
+    EXPECT_TRUE(bitwise_equal(expected.tensor.scale_inv, q.scale_inv)) << "scale_inv";
+  }
+  if (q.has_columnwise()) {
+    EXPECT_TRUE(bitwise_equal(expected.tensor.data_t, q.data_t)) << "data_t";
+    EXPECT_TRUE(bitwise_equal(expected.tensor.scale_inv_t, q.scale_inv_t)) << "scale_inv_t";
+  }
+}
+
+class QuantizeParity : public ::testing::TestWithParam<QuantizeCase> {};
+
+TEST_P(QuantizeParity, MatchesReferenceBitExactly) {
+  const QuantizeCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const float magnitude = draw_magnitude(rng);
+  const int64_t rows = p.shape.rows, cols = p.shape.cols;
+  const std::vector<float> values = make_input(rows, cols, p.input, rng(), magnitude);
+  const Tensor x = on(make_tensor(values, {rows, cols}, p.input), p.backend);
+  const float tensor_scale = fp8::fp8_max(p.fp8) / (kSaturatingFraction * magnitude);
+  const float amax_before = magnitude / 8;  // below max|x|: the call must raise it
+
+  const bool block_mode =
+      p.mode == ScalingMode::block_1x128 || p.mode == ScalingMode::block_128x128;
+  for (bool power_of_2 : block_mode ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
+    SCOPED_TRACE(::testing::Message() << "power_of_2_block_scales " << power_of_2);
+    QuantizedTensor q = QuantizedTensor::allocate(rows, cols, p.fp8, p.mode, p.usage, p.backend);
+    ops::QuantizeArgs args;
+    args.power_of_2_block_scales = power_of_2;
+    if (p.mode == ScalingMode::per_tensor) args.scale = scalar_on(tensor_scale, p.backend);
+    args.amax = scalar_on(amax_before, p.backend);
+    ops::quantize(x, q, args);
+
+    const ref::Quantized expected =
+        ref::quantize(values, rows, cols, p.fp8, p.mode, p.usage, tensor_scale, power_of_2);
+    expect_matches_reference(expected, q);
+    EXPECT_TRUE(
+        bitwise_equal(Tensor::from_vector({ref::amax(values, amax_before)}, {1}), args.amax))
+        << "amax";
+
+    // Round trips of each copy, into the other high-precision dtype than x's (both are covered
+    // across the suite at half the time).
+    const DType out_dtype = p.input == DType::f32 ? DType::bf16 : DType::f32;
+    if (q.has_rowwise()) {
+      Tensor out = Tensor::empty({rows, cols}, out_dtype, p.backend);
+      ops::dequantize(q, out, false);
+      EXPECT_TRUE(bitwise_equal(ref::dequantize(expected.rowwise, p.fp8, out_dtype, false), out))
+          << "dequantize data";
+    }
+    if (q.has_columnwise()) {
+      Tensor out = Tensor::empty({cols, rows}, out_dtype, p.backend);
+      ops::dequantize(q, out, true);
+      EXPECT_TRUE(bitwise_equal(ref::dequantize(expected.columnwise, p.fp8, out_dtype, true), out))
+          << "dequantize data_t";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, QuantizeParity, ::testing::ValuesIn(quantize_cases()),
+                         quantize_case_name);
+
+// ----------------------------------------------------------------------------
+// quantize with NaN, inf, FLT_MAX, float subnormals and zero tiles in the input
+
+struct SpecialCase {
+  Device backend;
+  DType input;
+  DType fp8;
+  ScalingMode mode;
+};
+
+std::vector<SpecialCase> special_cases() {
+  std::vector<SpecialCase> cases;
+  for (const Device& backend : testing::all_backends())
+    for (DType input : {DType::f32, DType::bf16})
+      for (DType fp8 : {DType::e4m3, DType::e5m2})
+        for (ScalingMode mode : kModes) cases.push_back({backend, input, fp8, mode});
+  return cases;
+}
+
+class QuantizeSpecialValues : public ::testing::TestWithParam<SpecialCase> {};
+
+TEST_P(QuantizeSpecialValues, MatchesReferenceBitExactly) {
+  const SpecialCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  // Partial 128-tiles on both edges; rows [128, 256) x cols [128, 256) is one whole zero tile.
+  constexpr int64_t kRows = 300, kCols = 260, kPlantRows = 128;
+  std::mt19937_64 rng(seed);
+  std::vector<float> values = make_input(kRows, kCols, p.input, rng(), 1.0f);
+  for (int64_t r = 128; r < 256; ++r)
+    for (int64_t c = 128; c < 256; ++c) values[r * kCols + c] = 0.0f;
+  // The edge tile rows [256, 300) x cols [0, 128) holds only float subnormals: every block there
+  // has fp8_max / amax = inf, clamped to FLT_MAX.
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  for (int64_t r = 256; r < kRows; ++r)
+    for (int64_t c = 0; c < 128; ++c)
+      values[r * kCols + c] = representable(unit(rng) * kFloatSubnormal, p.input);
+  // Specials only in the first 128 rows, so other blocks keep finite amaxes.
+  const float specials[] = {NAN, -NAN, INFINITY, -INFINITY, FLT_MAX, -FLT_MAX, 1e-42f, -3e-39f};
+  std::uniform_int_distribution<int64_t> row(0, kPlantRows - 1), col(0, kCols - 1);
+  for (float v : specials)
+    for (int k = 0; k < 3; ++k) values[row(rng) * kCols + col(rng)] = representable(v, p.input);
+
+  const Tensor x = on(make_tensor(values, {kRows, kCols}, p.input), p.backend);
+  QuantizedTensor q =
+      QuantizedTensor::allocate(kRows, kCols, p.fp8, p.mode, {true, true}, p.backend);
+  ops::QuantizeArgs args;
+  const float tensor_scale = 2.5f;
+  if (p.mode == ScalingMode::per_tensor) args.scale = scalar_on(tensor_scale, p.backend);
+  args.amax = scalar_on(0.0f, p.backend);
+  ops::quantize(x, q, args);
+  const ref::Quantized expected =
+      ref::quantize(values, kRows, kCols, p.fp8, p.mode, {true, true}, tensor_scale, true);
+  expect_matches_reference(expected, q);
+  const Tensor amax = Tensor::from_vector({ref::amax(values, 0.0f)}, {1});
+  EXPECT_TRUE(std::isnan(amax.data<float>()[0]));
+  EXPECT_TRUE(bitwise_equal(amax, args.amax));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, QuantizeSpecialValues, ::testing::ValuesIn(special_cases()),
+                         [](const ::testing::TestParamInfo<SpecialCase>& info) {
+                           return device_name(info.param.backend) + "_" +
+                                  std::string(dtype_name(info.param.input)) + "_" +
+                                  std::string(dtype_name(info.param.fp8)) + "_" +
+                                  std::string(fp8::scaling_mode_name(info.param.mode));
+                         });
+
+// ----------------------------------------------------------------------------
+// Backend x dtype cases shared by amax, cast and the matrix-view test
+
+struct DTypeCase {
+  Device backend;
+  DType input;
+  DType output;  ///< cast only
+  MatrixShape shape;
+};
+
+std::vector<DTypeCase> dtype_cases(bool with_output) {
+  std::vector<DTypeCase> cases;
+  for (const Device& backend : testing::all_backends()) {
+    std::vector<MatrixShape> shapes(kShapes.begin(), kShapes.begin() + 3);
+    if (backend.is_cuda()) shapes.push_back(kLargeGpuShape);
+    for (DType input : {DType::f32, DType::bf16})
+      for (DType output : with_output ? std::vector<DType>{DType::f32, DType::bf16}
+                                      : std::vector<DType>{DType::f32})
+        for (MatrixShape shape : shapes) cases.push_back({backend, input, output, shape});
+  }
+  return cases;
+}
+
+std::string dtype_case_name(const ::testing::TestParamInfo<DTypeCase>& info) {
+  const DTypeCase& p = info.param;
+  return device_name(p.backend) + "_" + std::string(dtype_name(p.input)) + "_" +
+         std::string(dtype_name(p.output)) + "_" + shape_name(p.shape.rows, p.shape.cols);
+}
+
+// ----------------------------------------------------------------------------
+// amax
+
+class AmaxParity : public ::testing::TestWithParam<DTypeCase> {};
+
+TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
+  const DTypeCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const float magnitude = draw_magnitude(rng);
+  const std::vector<float> values =
+      make_input(p.shape.rows, p.shape.cols, p.input, rng(), magnitude);
+  const Tensor x = on(make_tensor(values, {p.shape.rows, p.shape.cols}, p.input), p.backend);
+  // Below max|x| (the call raises it), then above (it stays); element 1 is never touched.
+  for (float before : {magnitude / 8, magnitude * 1e6f}) {
+    SCOPED_TRACE(::testing::Message() << "amax before " << before);
+    const Tensor amax_out = on(Tensor::from_vector({before, -7.0f}, {2}), p.backend);
+    ops::amax(x, amax_out);
+    EXPECT_TRUE(
+        bitwise_equal(Tensor::from_vector({ref::amax(values, before), -7.0f}, {2}), amax_out));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, AmaxParity, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
+
+class AmaxNaN : public ::testing::TestWithParam<DTypeCase> {};
+
+TEST_P(AmaxNaN, NaNWinsWhereverItIs) {
+  const DTypeCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t n = p.shape.rows * p.shape.cols;
+  std::vector<float> values = make_input(p.shape.rows, p.shape.cols, p.input, rng(), 1.0f);
+  // Two quiet NaNs with different payloads, one negative, and an inf: the larger |NaN| pattern
+  // wins over inf and over the stored value.
+  std::uniform_int_distribution<int64_t> index(0, n - 1);
+  values[index(rng)] = INFINITY;
+  values[index(rng)] = ref::from_bits(0xFFC10000u);  // -NaN, payload representable in bf16
+  values[index(rng)] = ref::from_bits(0x7FC20000u);
+  const Tensor x = on(make_tensor(values, {p.shape.rows, p.shape.cols}, p.input), p.backend);
+  const Tensor amax_out = scalar_on(FLT_MAX, p.backend);
+  ops::amax(x, amax_out);
+  const Tensor expected = Tensor::from_vector({ref::amax(values, FLT_MAX)}, {1});
+  EXPECT_TRUE(std::isnan(expected.data<float>()[0]));
+  EXPECT_TRUE(bitwise_equal(expected, amax_out));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, AmaxNaN, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
+
+// ----------------------------------------------------------------------------
+// cast
+
+class CastParity : public ::testing::TestWithParam<DTypeCase> {};
+
+TEST_P(CastParity, RoundsToNearestEven) {
+  const DTypeCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const Shape shape = {p.shape.rows, p.shape.cols};
+  const int64_t n = shape_numel(shape);
+  // Every bit pattern is fair: NaNs, infinities, subnormals; plus the two bf16 ties.
+  Tensor input = Tensor::empty(shape, p.input);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(rng());
+    if (p.input == DType::f32) {
+      std::memcpy(input.data<float>() + i, &bits, 4);
+    } else {
+      static_cast<uint16_t*>(input.raw_data())[i] = static_cast<uint16_t>(bits);
+    }
+  }
+  if (p.input == DType::f32 && n >= 2) {
+    input.data<float>()[0] = ref::from_bits(0x3F808000u);  // tie, rounds down to even
+    input.data<float>()[1] = ref::from_bits(0x3F818000u);  // tie, rounds up to even
+  }
+  // Same dtype: a byte copy (NaN payloads kept); otherwise decode_bf16 or encode_bf16.
+  Tensor expected = Tensor::empty(shape, p.output);
+  if (p.input == p.output) {
+    std::memcpy(expected.raw_data(), input.raw_data(), input.nbytes());
+  } else if (p.input == DType::bf16) {
+    for (int64_t i = 0; i < n; ++i)
+      expected.data<float>()[i] =
+          fp8::decode_bf16(static_cast<const uint16_t*>(input.raw_data())[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      static_cast<uint16_t*>(expected.raw_data())[i] = fp8::encode_bf16(input.data<float>()[i]);
+  }
+  const Tensor out = Tensor::empty(shape, p.output, p.backend);
+  ops::cast(on(input, p.backend), out);
+  EXPECT_TRUE(bitwise_equal(expected, out));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CastParity, ::testing::ValuesIn(dtype_cases(true)), dtype_case_name);
+
+// ----------------------------------------------------------------------------
+// A higher-rank x is quantized as its [rows, cols] matrix view
+
+class QuantizeMatrixView : public ::testing::TestWithParam<Device> {};
+
+TEST_P(QuantizeMatrixView, FoldsLeadingDimsIntoRows) {
+  const Device backend = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const std::vector<float> values = make_input(6, 130, DType::f32, seed, 3.0f);
+  const Tensor x = on(make_tensor(values, {2, 3, 130}, DType::f32), backend);
+  QuantizedTensor q = QuantizedTensor::allocate(6, 130, DType::e4m3, ScalingMode::block_1x128,
+                                                {true, true}, backend);
+  ops::quantize(x, q);
+  const ref::Quantized expected =
+      ref::quantize(values, 6, 130, DType::e4m3, ScalingMode::block_1x128, {true, true}, 1, true);
+  expect_matches_reference(expected, q);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, QuantizeMatrixView, ::testing::ValuesIn(testing::all_backends()),
+                         [](const ::testing::TestParamInfo<Device>& info) {
+                           return device_name(info.param);
+                         });
+
+// ----------------------------------------------------------------------------
+// Bad inputs are refused with messages that name what was expected and what was received
+
+/// Runs f, expecting an octet::Error whose message contains every one of `parts`.
+template <typename F>
+void expect_error(F&& f, std::initializer_list<const char*> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an octet::Error";
+  } catch (const Error& e) {
+    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
+  }
+}
+
+Tensor small_input(DType dtype = DType::f32) {
+  return testing::random_tensor({5, 40}, dtype, fresh_seed());
+}
+
+QuantizedTensor small_output(ScalingMode mode, Usage usage = {true, true},
+                             const Device& device = Device::cpu()) {
+  return QuantizedTensor::allocate(5, 40, DType::e4m3, mode, usage, device);
+}
+
+TEST(QuantizeErrors, MismatchedShapes) {
+  const Tensor x = small_input();
+  QuantizedTensor wrong = QuantizedTensor::allocate(40, 5, DType::e4m3, ScalingMode::block_1x128,
+                                                    {true, false}, Device::cpu());
+  expect_error([&] { ops::quantize(x, wrong); },
+               {"shape mismatch", "[40, 5] matrix", "f32[5, 40] on cpu"});
+
+  QuantizedTensor q = small_output(ScalingMode::block_1x128);
+  q.data = Tensor::empty({5, 41}, DType::e4m3);
+  expect_error([&] { ops::quantize(x, q); },
+               {"shape mismatch", "data expected e4m3[5, 40]", "received e4m3[5, 41]"});
+
+  q = small_output(ScalingMode::block_1x128);
+  q.scale_inv_t = Tensor::empty({40, 2}, DType::f32);
+  expect_error([&] { ops::quantize(x, q); },
+               {"shape mismatch", "scale_inv_t expected f32[40, 1]", "received f32[40, 2]"});
+
+  q = small_output(ScalingMode::mxfp8_1x32);
+  q.scale_inv = Tensor::empty({5, 2}, DType::f32);
+  expect_error([&] { ops::quantize(x, q); },
+               {"dtype mismatch", "scale_inv expected e8m0[5, 2]", "received f32[5, 2]"});
+
+  q = small_output(ScalingMode::block_128x128);
+  ops::quantize(x, q);
+  expect_error(
+      [&] {
+        ops::dequantize(q, Tensor::empty({5, 40}, DType::f32), true);
+      },
+      {"shape mismatch", "expected [40, 5]", "(transposed)", "f32[5, 40]"});
+
+  expect_error(
+      [&] {
+        ops::cast(x, Tensor::empty({40, 5}, DType::bf16));
+      },
+      {"shape mismatch", "expected shape [5, 40]", "bf16[40, 5]"});
+}
+
+TEST(QuantizeErrors, UnsupportedDType) {
+  const Tensor ints = Tensor::zeros({5, 40}, DType::i32);
+  QuantizedTensor q = small_output(ScalingMode::block_1x128);
+  expect_error([&] { ops::quantize(ints, q); }, {"unsupported dtype i32", "expected f32 or bf16"});
+  expect_error([&] { ops::amax(ints, Tensor::zeros({1}, DType::f32)); },
+               {"unsupported dtype i32", "expected f32 or bf16"});
+  expect_error(
+      [&] {
+        ops::cast(ints, Tensor::empty({5, 40}, DType::f32));
+      },
+      {"unsupported dtype i32", "expected f32 or bf16"});
+
+  q.dtype = DType::bf16;  // not an FP8 format
+  expect_error([&] { ops::quantize(small_input(), q); },
+               {"unsupported dtype bf16", "expected e4m3 or e5m2"});
+
+  q = small_output(ScalingMode::block_1x128);
+  ops::quantize(small_input(), q);
+  expect_error(
+      [&] {
+        ops::dequantize(q, Tensor::empty({5, 40}, DType::e5m2));
+      },
+      {"unsupported dtype e5m2", "expected f32 or bf16"});
+
+  ops::QuantizeArgs args;
+  args.amax = Tensor::zeros({1}, DType::i64);
+  expect_error([&] { ops::quantize(small_input(), q, args); },
+               {"dtype mismatch", "args.amax expected f32", "i64[1]"});
+}
+
+TEST(QuantizeErrors, EmptyTensor) {
+  const Tensor empty = Tensor::empty({0, 40}, DType::f32);
+  QuantizedTensor q = small_output(ScalingMode::per_tensor);
+  ops::QuantizeArgs args;
+  args.scale = Tensor::from_vector({1.0f}, {1});
+  expect_error([&] { ops::quantize(empty, q, args); }, {"empty tensor x", "f32[0, 40]"});
+  expect_error([&] { ops::amax(empty, Tensor::zeros({1}, DType::f32)); },
+               {"empty tensor x", "f32[0, 40]"});
+  expect_error([&] { ops::amax(small_input(), Tensor::zeros({0}, DType::f32)); },
+               {"amax_out expected at least 1 element", "f32[0]"});
+}
+
+TEST(QuantizeErrors, MissingOrWrongScale) {
+  const Tensor x = small_input();
+  QuantizedTensor q = small_output(ScalingMode::per_tensor);
+  expect_error([&] { ops::quantize(x, q); },
+               {"per_tensor scaling needs args.scale (f32[1])", "undefined tensor"});
+  ops::QuantizeArgs args;
+  args.scale = Tensor::from_vector({1.0f, 2.0f}, {2});
+  expect_error([&] { ops::quantize(x, q, args); }, {"args.scale expected f32[1]", "f32[2]"});
+}
+
+TEST(QuantizeErrors, MissingCopy) {
+  const Tensor x = small_input();
+  QuantizedTensor q = small_output(ScalingMode::mxfp8_1x32, {true, false});
+  ops::quantize(x, q);
+  expect_error(
+      [&] {
+        ops::dequantize(q, Tensor::empty({40, 5}, DType::f32), true);
+      },
+      {"transposed=true needs data_t"});
+  q.data = Tensor();
+  expect_error([&] { ops::quantize(x, q); }, {"neither data nor data_t"});
+}
+
+TEST(QuantizeErrors, TensorsOnDifferentDevices) {
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const Tensor x = small_input();
+  QuantizedTensor q = small_output(ScalingMode::block_1x128, {true, true}, gpu);
+  expect_error([&] { ops::quantize(x, q); },
+               {"all tensors must be on one device", "on cpu", "on cuda:0"});
+  QuantizedTensor on_cpu = small_output(ScalingMode::per_tensor);
+  ops::QuantizeArgs args;
+  args.scale = scalar_on(1.0f, gpu);
+  expect_error([&] { ops::quantize(x, on_cpu, args); },
+               {"all tensors must be on one device", "on cuda:0"});
+  expect_error([&] { ops::amax(x, scalar_on(0.0f, gpu)); },
+               {"all tensors must be on one device", "on cuda:0"});
+  expect_error(
+      [&] {
+        ops::cast(x, Tensor::empty({5, 40}, DType::bf16, gpu));
+      },
+      {"all tensors must be on one device", "on cuda:0"});
+  ops::quantize(x.to(gpu), q);
+  expect_error(
+      [&] {
+        ops::dequantize(q, Tensor::empty({5, 40}, DType::f32));
+      },
+      {"all tensors must be on one device", "on cpu"});
+}
+
+}  // namespace
+}  // namespace octet
