@@ -1,5 +1,6 @@
 #include "octet/core/allocator.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -52,6 +53,29 @@ void device_free(void* ptr, const Device& device) noexcept {
   cudaSetDevice(device.index);
   cudaFreeAsync(ptr, cuda::stream(device));
   cudaSetDevice(previous);
+#endif
+}
+
+size_t device_peak_bytes(const Device& device) {
+  if (device.is_cpu()) return 0;
+#if OCTET_WITH_CUDA
+  cudaMemPool_t pool;
+  OCTET_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));
+  uint64_t high = 0;
+  OCTET_CHECK_CUDA(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &high));
+  return static_cast<size_t>(high);
+#else
+  return 0;
+#endif
+}
+
+void reset_device_peak(const Device& device) {
+  if (device.is_cpu()) return;
+#if OCTET_WITH_CUDA
+  cudaMemPool_t pool;
+  OCTET_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));
+  uint64_t zero = 0;
+  OCTET_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrUsedMemHigh, &zero));
 #endif
 }
 

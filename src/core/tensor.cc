@@ -144,6 +144,22 @@ std::string Tensor::describe() const {
   return std::string(dtype_name(dtype_)) + shape_str(shape_) + " on " + device().str();
 }
 
+float item_f32(const Tensor& t) {
+  OCTET_CHECK(t.defined() && t.dtype() == DType::f32 && t.numel() >= 1,
+              "item_f32 expects a non-empty f32 tensor, got ", t.describe());
+  float value = 0;
+  copy_bytes(&value, Device::cpu(), t.raw_data(), t.device(), sizeof(float));
+  return value;
+}
+
+std::vector<float> host_values_f32(const Tensor& t) {
+  OCTET_CHECK(t.defined() && t.dtype() == DType::f32, "host_values_f32 expects an f32 tensor, got ",
+              t.describe());
+  std::vector<float> values(t.numel());
+  copy_bytes(values.data(), Device::cpu(), t.raw_data(), t.device(), t.nbytes());
+  return values;
+}
+
 Device common_device(std::initializer_list<const Tensor*> tensors, const char* op) {
   const Tensor* first = nullptr;
   for (const Tensor* t : tensors) {

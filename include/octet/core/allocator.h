@@ -18,6 +18,11 @@ void* device_alloc(size_t bytes, const Device& device);
 /// Frees memory from device_alloc. Never throws.
 void device_free(void* ptr, const Device& device) noexcept;
 
+/// Most bytes held in `device`'s CUDA memory pool at once since the last reset (0 for the CPU).
+size_t device_peak_bytes(const Device& device);
+/// Starts a new peak measurement for `device` (no-op for the CPU).
+void reset_device_peak(const Device& device);
+
 /// Copies `bytes` between any two devices and waits for the copy to finish.
 void copy_bytes(void* dst, const Device& dst_device, const void* src, const Device& src_device,
                 size_t bytes);

@@ -99,6 +99,11 @@ class Tensor {
   DType dtype_ = DType::f32;
 };
 
+/// Element 0 of an f32 tensor on any device, copied to the host (waits for the device).
+float item_f32(const Tensor& t);
+/// Every element of an f32 tensor on any device, copied to the host.
+std::vector<float> host_values_f32(const Tensor& t);
+
 /// Throws unless every tensor is defined and on the same device; returns that device.
 Device common_device(std::initializer_list<const Tensor*> tensors, const char* op);
 

@@ -81,8 +81,10 @@ class GPT {
                          float grad_scale);
   /// Mean loss without gradients and without touching FP8 state (evaluation).
   float evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq);
-  /// Logits of the last position of each sequence: f32 [batch, vocab] on the CPU (generation).
-  Tensor last_logits(const Tensor& ids, int64_t batch, int64_t seq);
+  /// Logits at `position` of each sequence: f32 [batch, vocab] on the CPU (generation). Causal
+  /// attention makes them independent of the tokens after `position`, so callers may pad the
+  /// sequence (FP8 GEMMs need batch*seq to be a multiple of 16). No FP8 state changes.
+  Tensor logits_at(const Tensor& ids, int64_t batch, int64_t seq, int64_t position);
 
   /// Every trainable parameter, in a fixed order (the optimizer's and the checkpoint's order).
   std::vector<Parameter> parameters();
