@@ -31,8 +31,7 @@ FP8State::FP8State(const fp8::Recipe& recipe, const Device& device)
     : recipe_(recipe), device_(device) {
   recipe.validate();
   check_device_available(device);
-  const int64_t history_len =
-      recipe.kind == fp8::RecipeKind::delayed ? recipe.amax_history_len : 1;
+  const int64_t history_len = recipe.kind == fp8::RecipeKind::delayed ? recipe.amax_history_len : 1;
   for (int p = 0; p < 2; ++p) {
     const int64_t n = kRoles[p];
     ops::ScalingGroup& group = groups_[p];
@@ -96,9 +95,8 @@ void AmaxRegistry::unregister_state(const FP8State* state) {
 }
 
 bool AmaxRegistry::contains(const FP8State* state) const {
-  return std::any_of(order_.begin(), order_.end(), [&](const Entry& e) {
-    return e.address == state && !e.state.expired();
-  });
+  return std::any_of(order_.begin(), order_.end(),
+                     [&](const Entry& e) { return e.address == state && !e.state.expired(); });
 }
 
 std::vector<std::shared_ptr<FP8State>> AmaxRegistry::states() const {

@@ -58,6 +58,7 @@ fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, Te
   ops::QuantizeArgs args;
   args.scale = scale;
   args.amax = amax_slot;
+  args.power_of_2_block_scales = recipe.power_of_2_scales;  // read by block scaling only
   ops::quantize(x, q, args);
   return q;
 }
@@ -174,14 +175,12 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
         state_for(snap.recipe);
         fp8_context->registry->register_state(state_);
       }
-      const bool block = snap.recipe.kind == fp8::RecipeKind::block;
-      snap.weight = weight_cast(
-          {.fp8 = true,
-           .kind = snap.recipe.kind,
-           .dtype = snap.recipe.dtype_for(TensorRole::weight),
-           .mode = snap.recipe.mode_for(TensorRole::weight),
-           .power_of_2 = block || snap.recipe.power_of_2_scales},
-          &snap.recipe, mode);
+      snap.weight = weight_cast({.fp8 = true,
+                                 .kind = snap.recipe.kind,
+                                 .dtype = snap.recipe.dtype_for(TensorRole::weight),
+                                 .mode = snap.recipe.mode_for(TensorRole::weight),
+                                 .power_of_2 = snap.recipe.power_of_2_scales},
+                                &snap.recipe, mode);
     } else {
       snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr, mode);
     }
@@ -224,7 +223,8 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
     } else {
       OCTET_CHECK(snap.scales.defined() && snap.scales.numel() == 2,
                   "Linear::forward(recompute): the snapshot of a per-tensor FP8 recipe must hold "
-                  "the two scales of the original forward, got ", snap.scales.describe());
+                  "the two scales of the original forward, got ",
+                  snap.scales.describe());
       input_scale = snap.scales.slice(0, 1);
     }
   }
@@ -317,8 +317,8 @@ void Linear::backward_dense(const Tensor& dy, const Tensor& dx, const Saved& sav
   ops::GemmArgs wgrad;
   wgrad.beta = 1.0f;
   // grad_weight [out, in] += dy^T [out, rows] x [rows, in].
-  ops::gemm(ops::GemmOperand::dense(dy_c, /*transpose=*/true),
-            ops::GemmOperand::dense(saved.input), grad_weight_, wgrad);
+  ops::gemm(ops::GemmOperand::dense(dy_c, /*transpose=*/true), ops::GemmOperand::dense(saved.input),
+            grad_weight_, wgrad);
 }
 
 }  // namespace octet::nn

@@ -29,11 +29,13 @@ Tensor LinearStack::forward(const Tensor& x, Saved& saved) {
 }
 
 Tensor LinearStack::backward(const Tensor& dy, Saved& saved) {
-  OCTET_CHECK(saved.input.defined(), "LinearStack::backward needs the Saved of a forward, got an "
+  OCTET_CHECK(saved.input.defined(),
+              "LinearStack::backward needs the Saved of a forward, got an "
               "empty one");
   if (recompute_ && saved.layers.empty()) {
-    OCTET_CHECK(saved.snapshots.size() == layers_.size(), "LinearStack::backward: ",
-                saved.snapshots.size(), " snapshots for ", layers_.size(), " layers");
+    OCTET_CHECK(saved.snapshots.size() == layers_.size(),
+                "LinearStack::backward: ", saved.snapshots.size(), " snapshots for ",
+                layers_.size(), " layers");
     Tensor h = saved.input;
     for (size_t i = 0; i < layers_.size(); ++i) {
       Linear::Saved layer_saved = Linear::Saved::from_snapshot(std::move(saved.snapshots[i]));
@@ -43,8 +45,8 @@ Tensor LinearStack::backward(const Tensor& dy, Saved& saved) {
     }
     saved.snapshots.clear();
   }
-  OCTET_CHECK(saved.layers.size() == layers_.size(), "LinearStack::backward: ",
-              saved.layers.size(), " saved records for ", layers_.size(), " layers");
+  OCTET_CHECK(saved.layers.size() == layers_.size(), "LinearStack::backward: ", saved.layers.size(),
+              " saved records for ", layers_.size(), " layers");
   Tensor g = dy;
   for (size_t i = layers_.size(); i-- > 0;) {
     g = layers_[i].backward(on_device(g, layers_[i].device()), saved.layers[i]);

@@ -16,8 +16,8 @@ namespace {
 using fp8::Recipe;
 using fp8::TensorRole;
 using ::testing::ElementsAre;
-using ::testing::HasSubstr;
 using testing::fresh_seed;
+using ::testing::HasSubstr;
 using testing::to_floats;
 
 /// A history length small enough to read back whole.
@@ -164,6 +164,7 @@ TEST(AmaxRegistry, KeepsRegistrationOrderAndDropsDestroyedStates) {
 
   registry.unregister_state(a.get());
   EXPECT_FALSE(registry.contains(a.get()));
+  order.clear();
   const FP8State* dead = c.get();
   c.reset();  // the registry does not keep modules alive
   EXPECT_FALSE(registry.contains(dead));

@@ -10,12 +10,17 @@
 #include "octet/nn/autocast.h"
 #include "test_util.h"
 
+namespace octet::fp8 {
+/// Readable test parameters (the struct's padding bytes would print as noise).
+inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.name(); }
+}  // namespace octet::fp8
+
 namespace octet::nn {
 namespace {
 
 using fp8::Recipe;
-using ::testing::HasSubstr;
 using testing::fresh_seed;
+using ::testing::HasSubstr;
 using testing::to_floats;
 
 std::string device_name(const Device& d) {
@@ -128,18 +133,24 @@ INSTANTIATE_TEST_SUITE_P(
 // ----------------------------------------------------------------------------
 // FP8 against FP32
 
-/// Error metrics against the FP32 reference. All values are first divided by the reference's
-/// RMS, so "values of unit scale" holds whatever the layer's gain:
-///   elementwise: |a - r| <= atol + rtol * |r| for every element;
-///   rel_l2 = ||a - r|| / ||r||.
+/// Error metrics against the FP32 reference, on values of unit scale: everything is divided by
+/// the reference's RMS first, so the bounds hold whatever the layer's gain.
+///   rel_l2 = ||a - r|| / ||r||                  (the typical error)
+///   max_err = max_i |a_i - r_i| / rms(r)        (the worst element)
+/// An elementwise atol + rtol|r| bound does not fit FP8 GEMMs: the error of an output element
+/// comes from rounding its K operand pairs, so it does not shrink with |r|. Measured on
+/// [160 x 192] x [192 x 144] with uniform unit inputs: E4M3 operands give rel_l2 0.035-0.036 and
+/// max_err up to 0.17; an E5M2 gradient operand (HYBRID dgrad/wgrad) gives rel_l2 0.057 and
+/// max_err up to 0.27. The bounds below are about twice the typical error and about 7 standard
+/// deviations for the worst of ~30k elements.
 struct Tolerance {
-  double rtol, atol, rel_l2;
+  double rel_l2, max_err;
 };
 
-/// E4M3 operands (3 mantissa bits: relative rounding error up to 2^-4 per operand).
-constexpr Tolerance kE4M3Tol{0.125, 0.0675, 0.0675};
-/// Outputs of an E5M2 (2 mantissa bits) times E4M3 GEMM: twice the E4M3 bounds.
-constexpr Tolerance kE5M2Tol{0.25, 0.135, 0.135};
+/// Outputs of E4M3 x E4M3 GEMMs (3 mantissa bits: relative rounding up to 2^-4 per operand).
+constexpr Tolerance kE4M3Tol{0.0675, 0.25};
+/// Outputs of E5M2 x E4M3 GEMMs (HYBRID gradients: 2 mantissa bits in one operand).
+constexpr Tolerance kE5M2Tol{0.125, 0.4};
 
 ::testing::AssertionResult within(const Tensor& actual, const Tensor& reference,
                                   const Tolerance& tol) {
@@ -152,10 +163,10 @@ constexpr Tolerance kE5M2Tol{0.25, 0.135, 0.135};
     if (!std::isfinite(a[i]))
       return ::testing::AssertionFailure() << "element " << i << " is " << a[i];
     const double err = std::fabs(a[i] - r[i]) / rms;
-    if (err > tol.atol + tol.rtol * std::fabs(r[i]) / rms)
+    if (err > tol.max_err)
       return ::testing::AssertionFailure()
              << "element " << i << ": " << a[i] << " vs reference " << r[i] << " (rms " << rms
-             << "), normalised error " << err;
+             << "): error " << err << " rms > " << tol.max_err;
   }
   const double l2 = testing::relative_l2(a, r);
   if (l2 > tol.rel_l2)
@@ -178,8 +189,8 @@ std::string fp8_param_name(const ::testing::TestParamInfo<Fp8Param>& info) {
 }
 
 /// One microbatch: forward under autocast (finalized at scope exit), backward, finalize.
-Tensor run_microbatch(Linear& layer, const Recipe& recipe, AmaxRegistry& registry,
-                      const Tensor& x, const Tensor& dy, Tensor* y_out = nullptr) {
+Tensor run_microbatch(Linear& layer, const Recipe& recipe, AmaxRegistry& registry, const Tensor& x,
+                      const Tensor& dy, Tensor* y_out = nullptr) {
   Linear::Saved saved;
   Tensor y;
   {
@@ -222,8 +233,8 @@ TEST_P(LinearFp8Test, ForwardAndBackwardTrackFp32) {
   const bool hybrid = recipe.format == fp8::Fp8Format::hybrid;
   EXPECT_TRUE(within(y, y_ref, kE4M3Tol)) << "y";
   EXPECT_TRUE(within(dx, dx_ref, hybrid ? kE5M2Tol : kE4M3Tol)) << "dx";
-  EXPECT_TRUE(within(fp8_layer.grad_weight(), reference.grad_weight(),
-                     hybrid ? kE5M2Tol : kE4M3Tol))
+  EXPECT_TRUE(
+      within(fp8_layer.grad_weight(), reference.grad_weight(), hybrid ? kE5M2Tol : kE4M3Tol))
       << "dW";
   // The bias gradient is summed from the high-precision dy: exact to FP32 rounding.
   EXPECT_TRUE(testing::bitwise_equal(reference.grad_bias(), fp8_layer.grad_bias()));
@@ -260,10 +271,9 @@ TEST_P(LinearFp8Test, GradientsAccumulateOverMicrobatches) {
   const std::vector<float> acc_w = to_floats(accumulated.grad_weight());
   for (size_t i = 0; i < acc_w.size(); ++i)
     ASSERT_NEAR(acc_w[i], sum_w[i], 1e-6 * (std::fabs(sum_w[i]) + 1e-3)) << "dW[" << i << "]";
-  EXPECT_TRUE(testing::bitwise_equal(Tensor::from_vector(sum_b, {out}),
-                                     accumulated.grad_bias()));
-  EXPECT_FALSE(testing::bitwise_equal(Tensor::from_vector(sum_w, {out, in}),
-                                      separate.grad_weight()))
+  EXPECT_TRUE(testing::bitwise_equal(Tensor::from_vector(sum_b, {out}), accumulated.grad_bias()));
+  EXPECT_FALSE(
+      testing::bitwise_equal(Tensor::from_vector(sum_w, {out, in}), separate.grad_weight()))
       << "the second microbatch alone must differ from the sum";
 }
 
@@ -339,8 +349,9 @@ TEST_P(LinearBackendTest, Bf16ComputeTracksFp32AndCastsOncePerStep) {
   Linear::Saved s32;
   Tensor y32 = f32.forward(x32, s32);
   Tensor dx32 = f32.backward(dy32, s32);
-  // bf16 operands (8 bits of mantissa: 2^-8 relative) and a bf16 output.
-  constexpr Tolerance kBf16Tol{0.02, 0.02, 0.01};
+  // bf16 weights (8 significant bits: 2^-9 relative rounding) and a bf16 output; measured
+  // rel_l2 0.0024 and max_err up to 0.012 (the inputs are the same values in both runs).
+  constexpr Tolerance kBf16Tol{0.005, 0.025};
   EXPECT_TRUE(within(y, y32, kBf16Tol));
   EXPECT_TRUE(within(dx, dx32, kBf16Tol));
   EXPECT_TRUE(within(bf16.grad_weight(), f32.grad_weight(), kBf16Tol));
@@ -351,19 +362,33 @@ TEST_P(LinearBackendTest, RejectsInputsThatDoNotFit) {
   OCTET_SKIP_IF_UNAVAILABLE(device);
   Linear layer(8, 4, true, device, fresh_seed());
   Linear::Saved saved;
-  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 7}, DType::f32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("expects input [..., 8], got f32[3, 7]")));
-  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 8}, DType::i32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("must be f32 or bf16, got i32[3, 8]")));
-  EXPECT_THAT([&] { layer.backward(Tensor::zeros({3, 4}, DType::f32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("needs the Saved of a forward")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(Tensor::zeros({3, 7}, DType::f32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("expects input [..., 8], got f32[3, 7]")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(Tensor::zeros({3, 8}, DType::i32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("must be f32 or bf16, got i32[3, 8]")));
+  EXPECT_THAT(
+      [&] {
+        layer.backward(Tensor::zeros({3, 4}, DType::f32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("needs the Saved of a forward")));
   layer.forward(Tensor::zeros({3, 8}, DType::f32, device), saved);
-  EXPECT_THAT([&] { layer.backward(Tensor::zeros({2, 4}, DType::f32, device), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("expects grad_output of shape [3, 4]")));
+  EXPECT_THAT(
+      [&] {
+        layer.backward(Tensor::zeros({2, 4}, DType::f32, device), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("expects grad_output of shape [3, 4]")));
   Linear::Saved empty;
-  EXPECT_THAT([&] { layer.forward(Tensor::zeros({3, 8}, DType::f32, device), empty,
-                                  ForwardMode::recompute); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("needs the snapshot")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(Tensor::zeros({3, 8}, DType::f32, device), empty, ForwardMode::recompute);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("needs the snapshot")));
 }
 
 TEST_P(LinearBackendTest, Fp8DimensionsNotMultipleOf16SurfaceTheGemmError) {
@@ -390,13 +415,18 @@ TEST(LinearPlacement, InputOnAnotherDeviceIsRejectedWithBothDevicesNamed) {
   Linear on_cpu(8, 4, true, Device::cpu(), fresh_seed());
   Linear::Saved saved;
   EXPECT_THAT(
-      [&] { on_cpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved); },
+      [&] {
+        on_cpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved);
+      },
       ::testing::ThrowsMessage<Error>(
           HasSubstr("lives on cpu but its input is f32[2, 8] on cuda:0; move the input to cpu")));
   Linear on_gpu(8, 4, true, Device::cuda(0), fresh_seed());
   on_gpu.forward(Tensor::zeros({2, 8}, DType::f32, Device::cuda(0)), saved);
-  EXPECT_THAT([&] { on_gpu.backward(Tensor::zeros({2, 4}, DType::f32), saved); },
-              ::testing::ThrowsMessage<Error>(HasSubstr("its grad_output is f32[2, 4] on cpu")));
+  EXPECT_THAT(
+      [&] {
+        on_gpu.backward(Tensor::zeros({2, 4}, DType::f32), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("its grad_output is f32[2, 4] on cpu")));
 }
 
 TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
@@ -410,8 +440,8 @@ TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
   Tensor y;
   {
     Fp8Autocast scope(Recipe::delayed(), registry);
-    Tensor h = on1.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(Device::cuda(1)),
-                           s1);
+    Tensor h =
+        on1.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(Device::cuda(1)), s1);
     y = on0.forward(h.to(Device::cuda(0)), s0);
   }
   EXPECT_EQ(y.device(), Device::cuda(0));
@@ -423,8 +453,8 @@ TEST(LinearPlacement, TwoGpusUnderOneAutocastKeepStateOnTheirOwnDevice) {
     EXPECT_EQ(state.forward_updates(), 1);
   }
   EXPECT_EQ(registry.scaling_update_calls(), 2);  // one per device
-  Tensor g = on0.backward(testing::random_tensor({16, 32}, DType::f32, seed + 2)
-                              .to(Device::cuda(0)), s0);
+  Tensor g =
+      on0.backward(testing::random_tensor({16, 32}, DType::f32, seed + 2).to(Device::cuda(0)), s0);
   on1.backward(g.to(Device::cuda(1)), s1);
   registry.finalize_backward();
   EXPECT_EQ(registry.scaling_update_calls(), 4);

@@ -10,6 +10,11 @@
 #include "octet/nn/linear_stack.h"
 #include "test_util.h"
 
+namespace octet::fp8 {
+/// Readable test parameters (the struct's padding bytes would print as noise).
+inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.name(); }
+}  // namespace octet::fp8
+
 namespace octet::nn {
 namespace {
 
@@ -91,12 +96,12 @@ constexpr int kMicrobatches = 8;
 constexpr int kSeeds = 3;
 
 struct RunResult {
-  std::vector<Tensor> dx;           ///< first layer's dx per microbatch (on the CPU)
-  std::vector<Tensor> grads;        ///< every layer's grad_weight and grad_bias
-  std::vector<Tensor> states;       ///< every layer's FP8 state at the end
-  int64_t forward_updates = 0;      ///< registry counts
+  std::vector<Tensor> dx;       ///< first layer's dx per microbatch (on the CPU)
+  std::vector<Tensor> grads;    ///< every layer's grad_weight and grad_bias
+  std::vector<Tensor> states;   ///< every layer's FP8 state at the end
+  int64_t forward_updates = 0;  ///< registry counts
   int64_t backward_updates = 0;
-  std::vector<int64_t> per_state;   ///< forward and backward updates of each state
+  std::vector<int64_t> per_state;  ///< forward and backward updates of each state
 };
 
 /// One optimizer step of kMicrobatches accumulated microbatches over a kLayers-deep stack whose
@@ -186,16 +191,14 @@ TEST_P(RecomputeTest, DeepStackGradientsAreBitwiseEqualWithAndWithoutRecompute) 
 }
 
 std::string param_name(const ::testing::TestParamInfo<RecomputeParam>& info) {
-  std::string name =
-      device_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param).name();
+  std::string name = device_name(std::get<0>(info.param)) + "_" + std::get<1>(info.param).name();
   std::replace(name.begin(), name.end(), '-', '_');
   return name;
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, RecomputeTest,
                          ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
-                                            ::testing::Values(Recipe::delayed(),
-                                                              Recipe::current(),
+                                            ::testing::Values(Recipe::delayed(), Recipe::current(),
                                                               Recipe::block(), Recipe::mxfp8())),
                          param_name);
 

@@ -12,9 +12,9 @@
 namespace octet {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::bitwise_equal;
 using testing::fresh_seed;
+using ::testing::HasSubstr;
 using testing::to_floats;
 
 /// The documented order computed independently: per-tile sequential partials, then the partials
@@ -94,14 +94,14 @@ std::string param_name(const ::testing::TestParamInfo<SumRowsParam>& info) {
          std::to_string(extent.cols) + (accumulate ? "_acc" : "_set");
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, SumRowsTest,
-    ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
-                       ::testing::Values(DType::f32, DType::bf16),
-                       ::testing::Values(Extent{1, 3221}, Extent{2333, 1}, Extent{1481, 677},
-                                         Extent{128, 64}, Extent{129, 3}),
-                       ::testing::Bool()),
-    param_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, SumRowsTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::Values(DType::f32, DType::bf16),
+                                            ::testing::Values(Extent{1, 3221}, Extent{2333, 1},
+                                                              Extent{1481, 677}, Extent{128, 64},
+                                                              Extent{129, 3}),
+                                            ::testing::Bool()),
+                         param_name);
 
 TEST(SumRows, IntegerInputsAreExact) {
   for (const Device& device : testing::all_backends()) {

@@ -71,8 +71,8 @@ class Linear {
   /// Weight [out, in] uniform in +-1/sqrt(in) and bias [out] likewise, drawn from `seed`
   /// (deterministic on every platform), on `device`. compute_dtype (f32 or bf16) is the GEMM
   /// precision outside fp8_autocast.
-  Linear(int64_t in_features, int64_t out_features, bool bias, const Device& device,
-         uint64_t seed, DType compute_dtype = DType::f32);
+  Linear(int64_t in_features, int64_t out_features, bool bias, const Device& device, uint64_t seed,
+         DType compute_dtype = DType::f32);
   Linear(Linear&&) = default;
   Linear& operator=(Linear&&) = default;
   Linear(const Linear&) = delete;

@@ -17,10 +17,10 @@ namespace octet::nn {
 class LinearStack {
  public:
   struct Saved {
-    Tensor input;                                ///< on layer 0's device
-    Device input_device;                         ///< where the caller's input was
-    std::vector<Linear::Saved> layers;           ///< without recompute, or once recomputed
-    std::vector<Linear::Snapshot> snapshots;     ///< with recompute
+    Tensor input;                             ///< on layer 0's device
+    Device input_device;                      ///< where the caller's input was
+    std::vector<Linear::Saved> layers;        ///< without recompute, or once recomputed
+    std::vector<Linear::Snapshot> snapshots;  ///< with recompute
   };
 
   explicit LinearStack(bool recompute = false) : recompute_(recompute) {}

@@ -73,8 +73,8 @@ void sum_rows(const Tensor& x, const Tensor& out, bool accumulate) {
   const int64_t cols = x.cols();
   const int64_t tiles = (rows + kSumRowsTileRows - 1) / kSumRowsTileRows;
   const int64_t grid_y = (tiles + kTilesPerBlock - 1) / kTilesPerBlock;
-  OCTET_CHECK(grid_y <= kMaxGridY, "sum_rows: at most ", kMaxGridY * kTilesPerBlock *
-              kSumRowsTileRows, " rows are supported, got ", rows);
+  OCTET_CHECK(grid_y <= kMaxGridY, "sum_rows: at most ",
+              kMaxGridY * kTilesPerBlock * kSumRowsTileRows, " rows are supported, got ", rows);
   // Stream-ordered workspace: freed on the same stream after the kernels that use it.
   Tensor partials = Tensor::empty({tiles, cols}, DType::f32, device);
 
