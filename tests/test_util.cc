@@ -11,6 +11,11 @@ uint64_t fresh_seed() {
   return (static_cast<uint64_t>(device()) << 32) ^ device();
 }
 
+bool small_tests_only() {
+  const char* value = std::getenv("OCTET_TEST_SMALL");
+  return value != nullptr && value[0] != '\0' && std::string(value) != "0";
+}
+
 std::vector<Device> all_backends() { return {Device::cpu(), Device::cuda(0)}; }
 
 namespace {

@@ -29,6 +29,10 @@ std::vector<Device> all_backends();
                    << " GPU(s) visible)";                                              \
   } while (false)
 
+/// True when OCTET_TEST_SMALL is set (the sanitizer runs of scripts/gpu-check.sh): parity suites
+/// then leave out their large GPU-only shapes, which instrumentation would make far too slow.
+bool small_tests_only();
+
 /// CPU tensor of `shape` and dtype f32 or bf16 with values uniform in [-scale, scale] (never all
 /// zero: a zero draw is replaced by scale/3).
 Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, float scale = 1.0f);

@@ -109,8 +109,8 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
       });
 }
 
-void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv) {
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const AttentionShape& shape, const Tensor& dqkv) {
   constexpr const char* op = "attention_backward";
   check_attention_shape(shape, op);
   check_float_activation(qkv, op, "qkv");
@@ -122,8 +122,8 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
   check_lse(lse, shape, op);
   check_dtype_matches(dqkv, qkv, op, "dqkv");
   check_token_matrix(dqkv, shape, 3, op, "dqkv");
-  check_same_device(
-      {{&qkv, "qkv"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dqkv, "dqkv"}}, op);
+  check_same_device({{&qkv, "qkv"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}, {&dqkv, "dqkv"}},
+                    op);
   for (const auto& [t, name] :
        NamedTensors{{&qkv, "qkv"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}}) {
     check_disjoint(dqkv, "dqkv", *t, name, op);

@@ -9,15 +9,15 @@
 namespace octet::ops::cpu {
 void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
                        const Tensor& lse);
-void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv);
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const AttentionShape& shape, const Tensor& dqkv);
 void rope(const Tensor& qkv, const AttentionShape& shape, float theta, bool inverse);
 }  // namespace octet::ops::cpu
 
 namespace octet::ops::cuda {
 void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
                        const Tensor& lse);
-void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv);
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const AttentionShape& shape, const Tensor& dqkv);
 void rope(const Tensor& qkv, const AttentionShape& shape, float theta, bool inverse);
 }  // namespace octet::ops::cuda

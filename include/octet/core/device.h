@@ -1,6 +1,7 @@
 // Where a tensor lives: the CPU or one CUDA GPU. There is no "current device" in octet.
 #pragma once
 
+#include <cstdint>
 #include <ostream>
 #include <string>
 #include <string_view>

@@ -1,5 +1,5 @@
-// CPU reference of causal attention and RoPE: plain loops with OpenMP, all math in f32, every sum in
-// a fixed sequential order (so the results do not depend on the thread count). Each output row
+// CPU reference of causal attention and RoPE: plain loops with OpenMP, all math in f32, every sum
+// in a fixed sequential order (so the results do not depend on the thread count). Each output row
 // has one owner: dq is computed per query (iterating over keys), dk and dv per key (iterating over
 // queries), as the CUDA kernels do; probabilities are recomputed from the forward's lse.
 #include <cmath>
@@ -16,7 +16,10 @@ namespace {
 /// [B*T, H*D], lse and the backward's row statistics [B, H, T].
 struct Layout {
   explicit Layout(const AttentionShape& s)
-      : seq(s.seq), heads(s.heads), head_dim(s.head_dim), qkv_row(3 * s.heads * s.head_dim),
+      : seq(s.seq),
+        heads(s.heads),
+        head_dim(s.head_dim),
+        qkv_row(3 * s.heads * s.head_dim),
         out_row(s.heads * s.head_dim) {}
   int64_t q(int64_t b, int64_t t, int64_t h) const {
     return (b * seq + t) * qkv_row + h * head_dim;
@@ -115,8 +118,8 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
   store(o, out);
 }
 
-void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv) {
+void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                        const AttentionShape& shape, const Tensor& dqkv) {
   const Layout at(shape);
   const int64_t B = shape.batch, T = shape.seq, H = shape.heads, D = shape.head_dim;
   const float scale = softmax_scale(shape);

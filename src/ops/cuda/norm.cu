@@ -1,0 +1,419 @@
+// CUDA LayerNorm and RMSNorm, forward and backward. One group of threads per row (a warp or
+// more, several rows per CTA when rows are short), 16-byte packed loads and stores when the row
+// length and the pointers allow, the scalar formulas of activation_math.h.
+//
+// Forward: the row is read from global memory once, kept as f32 in shared memory when it fits,
+// and reduced twice (mean, then the sum of squares around it), then normalized; the fused FP8
+// cast of y happens in the same pass that stores y.
+// Backward: each CTA walks one tile of rows; per row it reduces mean(dxhat) and mean(dxhat *
+// xhat), writes dx, and adds dy * xhat and dy into per-column accumulators in shared memory. A
+// CTA's accumulators go to its own slot of a scratch buffer, and a second kernel sums the slots
+// in tile order into dgamma and dbeta: a fixed order, no float atomics (DESIGN.md rule 3). The
+// tiling depends on the shape only, so a shape always reduces in the same order.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "octet/core/cuda_context.h"
+#include "ops/activation_math.h"
+#include "ops/cuda/fused_cast.cuh"
+#include "ops/norm_backend.h"
+
+namespace octet::ops::cuda {
+namespace {
+
+/// Threads per CTA when a row needs fewer: the CTA then holds several rows.
+constexpr int kCtaThreads = 256;
+/// Elements per thread a row's thread group is sized for: two 16-byte packs of bf16.
+constexpr int64_t kElementsPerThread = 16;
+/// A row's thread group is at most one full CTA.
+constexpr int kMaxThreadsPerRow = 1024;
+/// Rows per CTA are at most kCtaThreads / 32 (a warp per row).
+constexpr int kMaxRowsPerCta = kCtaThreads / kWarpSize;
+/// Backward: the number of row tiles (CTAs, and dgamma/dbeta partial rows) aimed for. More tiles
+/// put more rows in flight; each costs 8 bytes per column of scratch traffic, under 10% of the
+/// bf16 traffic when a tile holds 16 rows (4096 rows -> 256 tiles).
+constexpr int64_t kTargetTiles = 256;
+/// Dynamic shared memory a kernel may use without opting in.
+constexpr size_t kDefaultDynamicSmem = 48 * 1024;
+/// Room left for the kernels' static shared memory (reduction scratch, about 2.2 KiB) when
+/// opting into more dynamic shared memory.
+constexpr size_t kStaticSmemReserve = 4 * 1024;
+/// Column sums: a CTA covers 32 columns (one coalesced 128-byte row segment) with
+/// kColumnChunks threads per column, each summing a fixed contiguous chunk of the tiles.
+constexpr int kColumnChunks = 8;
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/// Threads per row and rows per CTA; a function of the row length only, so that the order of
+/// every reduction depends on the shape alone.
+struct NormLayout {
+  int threads_per_row;
+  int rows_per_cta;
+};
+
+NormLayout layout_for(int64_t cols) {
+  const int64_t warps = ceil_div(ceil_div(cols, kElementsPerThread), kWarpSize);
+  const int threads =
+      static_cast<int>(std::clamp<int64_t>(warps * kWarpSize, kWarpSize, kMaxThreadsPerRow));
+  return {threads, std::max(1, kCtaThreads / threads)};
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels
+
+/// Sums both components over the thread group of one row (threadIdx.y) in a fixed order; every
+/// thread of the group gets the sums. Contains barriers: every thread of the CTA calls it.
+__device__ float2 row_sum2(float2 v, float2* shared) {
+  const auto add = [](float a, float b) { return a + b; };
+  v.x = warp_reduce(v.x, add);
+  v.y = warp_reduce(v.y, add);
+  const int lane = threadIdx.x % kWarpSize;
+  const int warps = blockDim.x / kWarpSize;
+  float2* group = shared + threadIdx.y * kWarpSize;
+  __syncthreads();  // the previous reduction may still read `shared`
+  if (lane == 0) group[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float2 s = lane < warps ? group[lane] : make_float2(0.0f, 0.0f);
+  s.x = warp_reduce(s.x, add);
+  s.y = warp_reduce(s.y, add);
+  return s;
+}
+
+/// The kN values of pack p of a row as f32: from the shared-memory copy when there is one.
+template <typename T, int kN>
+__device__ __forceinline__ Pack<float, kN> row_pack(const T* row, const float* cached, int64_t p) {
+  if (cached != nullptr) return load_pack<kN>(cached + p * kN);  // 16-byte shared accesses
+  const Pack<T, kN> v = load_pack<kN>(row + p * kN);
+  Pack<float, kN> f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) f.v[k] = math::to_float(v.v[k]);
+  return f;
+}
+
+/// One row per thread group. Block (threads_per_row, rows_per_cta); dynamic shared memory holds
+/// the rows as f32 when cache_rows. kN = elements per pack (1: unvectorized). RMSNorm: no beta,
+/// no mean, statistics around 0.
+template <typename T, int kN, bool kRms>
+__global__ void norm_forward_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
+                                    const float* __restrict__ beta, float eps, T* y,
+                                    float* mean_out, float* rstd_out, int64_t rows, int64_t cols,
+                                    bool cache_rows, FusedCast cast) {
+  extern __shared__ float4 row_cache[];  // float4: 16-byte aligned for the packs
+  __shared__ float2 sums[kMaxRowsPerCta * kWarpSize];
+  __shared__ uint32_t amax_scratch[kWarpSize];
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool active = r < rows;  // an idle group still joins the CTA's barriers
+  const int64_t packs = cols / kN;
+  const float n = static_cast<float>(cols);
+  const T* xr = x + (active ? r : 0) * cols;
+  float* cached = cache_rows ? reinterpret_cast<float*>(row_cache) + threadIdx.y * cols : nullptr;
+
+  // Pass 1 reads the row from global memory, keeping the shared copy; RMSNorm needs only this.
+  float first_sum = 0.0f;
+  for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
+    const Pack<float, kN> f = row_pack<T, kN>(xr, nullptr, p);
+    if (cached != nullptr) store_pack<kN>(cached + p * kN, f);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) first_sum += kRms ? f.v[k] * f.v[k] : f.v[k];
+  }
+  // LayerNorm: pass 1 gave the mean, and pass 2 sums squares around it (two-pass variance).
+  // RMSNorm: pass 1 gave the mean square.
+  const float first = row_sum2(make_float2(first_sum, 0.0f), sums).x / n;
+  float mean = 0.0f, var = first;
+  if constexpr (!kRms) {
+    mean = first;
+    float squares = 0.0f;
+    for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
+      const Pack<float, kN> f = row_pack<T, kN>(xr, cached, p);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const float d = f.v[k] - mean;
+        squares += d * d;
+      }
+    }
+    var = row_sum2(make_float2(squares, 0.0f), sums).x / n;
+  }
+  const float rstd = math::norm_rstd(var, eps);
+
+  CastThread ct(cast);
+  for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
+    const Pack<float, kN> f = row_pack<T, kN>(xr, cached, p);
+    const Pack<float, kN> g = load_pack<kN>(gamma + p * kN);
+    Pack<float, kN> b;
+    if constexpr (kRms) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) b.v[k] = 0.0f;
+    } else {
+      b = load_pack<kN>(beta + p * kN);
+    }
+    float out[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) out[k] = math::norm_output(f.v[k], mean, rstd, g.v[k], b.v[k]);
+    store_output<T, kN>(y, r * cols + p * kN, out, ct);
+  }
+  if (active && threadIdx.x == 0) {
+    if constexpr (!kRms) mean_out[r] = mean;
+    rstd_out[r] = rstd;
+  }
+  finish_cast(ct, amax_scratch);
+}
+
+/// One tile of rows_per_tile rows per CTA, each thread group (threadIdx.y) taking every
+/// blockDim.y-th row of the tile. Column accumulators (dgamma, then dbeta for LayerNorm) live in
+/// dynamic shared memory per group when acc_in_smem, and are combined in group order into the
+/// tile's slot of `partials` [tiles, sums, cols]; otherwise (rows too long; one group per CTA)
+/// they accumulate in that slot directly.
+template <typename T, int kN, bool kRms>
+__global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                     const float* __restrict__ gamma,
+                                     const float* __restrict__ mean, const float* __restrict__ rstd,
+                                     T* dx, float* partials, int64_t rows, int64_t cols,
+                                     int64_t rows_per_tile, bool acc_in_smem) {
+  constexpr int kSums = kRms ? 1 : 2;
+  extern __shared__ float4 acc_raw[];  // float4: 16-byte aligned for the packs
+  __shared__ float2 sums[kMaxRowsPerCta * kWarpSize];
+  float* acc_smem = reinterpret_cast<float*>(acc_raw);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * rows_per_tile;
+  const int64_t r1 = min(rows, r0 + rows_per_tile);
+  const int64_t packs = cols / kN;
+  const float n = static_cast<float>(cols);
+  float* tile_partial = partials + static_cast<int64_t>(blockIdx.x) * kSums * cols;
+  float* acc = acc_in_smem ? acc_smem + threadIdx.y * kSums * cols : tile_partial;
+
+  // Each thread owns the same columns in every row, so its accumulators need no barrier.
+  Pack<float, kN> zero;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) zero.v[k] = 0.0f;
+  for (int64_t p = threadIdx.x; p < packs; p += blockDim.x) {
+#pragma unroll
+    for (int j = 0; j < kSums; ++j) store_pack<kN>(acc + j * cols + p * kN, zero);
+  }
+  const int64_t iterations = ceil_div(r1 - r0, static_cast<int64_t>(blockDim.y));
+  for (int64_t it = 0; it < iterations; ++it) {
+    const int64_t r = r0 + it * blockDim.y + threadIdx.y;
+    const bool active = r < r1;
+    const T* dyr = dy + (active ? r : 0) * cols;
+    const T* xr = x + (active ? r : 0) * cols;
+    const float m = kRms || !active ? 0.0f : mean[r];
+    const float s = active ? rstd[r] : 0.0f;
+    float2 sum = make_float2(0.0f, 0.0f);  // dxhat, dxhat * xhat
+    for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
+      const Pack<float, kN> g = row_pack<T, kN>(dyr, nullptr, p);
+      const Pack<float, kN> xv = row_pack<T, kN>(xr, nullptr, p);
+      const Pack<float, kN> w = load_pack<kN>(gamma + p * kN);
+      Pack<float, kN> acc_g = load_pack<kN>(acc + p * kN), acc_b;
+      if constexpr (!kRms) acc_b = load_pack<kN>(acc + cols + p * kN);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const float xhat = math::norm_xhat(xv.v[k], m, s);
+        const float dxhat = g.v[k] * w.v[k];
+        sum.x += dxhat;
+        sum.y += dxhat * xhat;
+        acc_g.v[k] += g.v[k] * xhat;
+        if constexpr (!kRms) acc_b.v[k] += g.v[k];
+      }
+      store_pack<kN>(acc + p * kN, acc_g);
+      if constexpr (!kRms) store_pack<kN>(acc + cols + p * kN, acc_b);
+    }
+    sum = row_sum2(sum, sums);
+    const float mean_dxhat = kRms ? 0.0f : sum.x / n;
+    const float mean_dxhat_xhat = sum.y / n;
+    CastThread no_cast(FusedCast{});
+    // The second pass re-reads the row: this thread's own elements, just read, so L1/L2 hits.
+    for (int64_t p = threadIdx.x; active && p < packs; p += blockDim.x) {
+      const Pack<float, kN> g = row_pack<T, kN>(dyr, nullptr, p);
+      const Pack<float, kN> xv = row_pack<T, kN>(xr, nullptr, p);
+      const Pack<float, kN> w = load_pack<kN>(gamma + p * kN);
+      float out[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        out[k] = math::norm_dx(g.v[k] * w.v[k], math::norm_xhat(xv.v[k], m, s), s, mean_dxhat,
+                               mean_dxhat_xhat);
+      }
+      store_output<T, kN>(dx, r * cols + p * kN, out, no_cast);
+    }
+  }
+  if (acc_in_smem) {
+    __syncthreads();
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int groups = blockDim.y;
+    for (int64_t i = tid; i < kSums * cols; i += blockDim.x * blockDim.y) {
+      float v = 0.0f;
+      for (int gi = 0; gi < groups; ++gi) v += acc_smem[gi * kSums * cols + i];
+      tile_partial[i] = v;
+    }
+  }
+}
+
+/// out[j][c] += the sum over tiles, in tile order, of partials[tile][j][c] (j: dgamma, dbeta).
+/// Block (32, kColumnChunks): threadIdx.x picks the column, threadIdx.y a fixed chunk of tiles;
+/// the chunks are then added in chunk order, so the order depends on the tile count only.
+__global__ void column_sums_kernel(const float* __restrict__ partials, int64_t tiles, int sums,
+                                   int64_t cols, float* dgamma, float* dbeta) {
+  __shared__ float chunk_sums[kColumnChunks][kWarpSize];
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpSize + threadIdx.x;  // j * cols + c
+  const bool valid = i < sums * cols;
+  const int64_t per_chunk = ceil_div(tiles, kColumnChunks);
+  const int64_t t0 = threadIdx.y * per_chunk;
+  const int64_t t1 = min(tiles, t0 + per_chunk);
+  float v = 0.0f;
+  for (int64_t t = t0; valid && t < t1; ++t) v += partials[t * sums * cols + i];
+  chunk_sums[threadIdx.y][threadIdx.x] = v;
+  __syncthreads();
+  if (threadIdx.y != 0 || !valid) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int chunk = 0; chunk < kColumnChunks; ++chunk) total += chunk_sums[chunk][threadIdx.x];
+  float* out = i < cols ? dgamma + i : dbeta + (i - cols);
+  *out += total;  // one add into the accumulated gradient
+}
+
+// ----------------------------------------------------------------------------
+// kernel launchers
+
+/// Dynamic shared memory a kernel may opt into on `device`.
+size_t smem_budget(const Device& device) {
+  return octet::cuda::properties(device).sharedMemPerBlockOptin - kStaticSmemReserve;
+}
+
+/// Lets `kernel` use `bytes` of dynamic shared memory (an opt-in above 48 KiB).
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= kDefaultDynamicSmem) return;
+  OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+}
+
+template <typename T, int kN, bool kRms>
+void launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                    const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                    const FusedCast& cast) {
+  const Device& device = x.device();
+  const int64_t rows = x.rows(), cols = x.cols();
+  const NormLayout layout = layout_for(cols);
+  const size_t cache_bytes = sizeof(float) * layout.rows_per_cta * cols;
+  const bool cache_rows = cache_bytes <= smem_budget(device);
+  const size_t smem = cache_rows ? cache_bytes : 0;
+  auto kernel = norm_forward_kernel<T, kN, kRms>;
+  allow_smem(kernel, smem);
+  const int64_t blocks = ceil_div(rows, layout.rows_per_cta);
+  OCTET_CHECK(blocks <= INT32_MAX, "norm forward: ", rows, " rows exceed the grid limit");
+  const dim3 block(layout.threads_per_row, layout.rows_per_cta);
+  kernel<<<static_cast<unsigned>(blocks), block, smem, octet::cuda::stream(device)>>>(
+      static_cast<const T*>(x.raw_data()), gamma.data<float>(), kRms ? nullptr : beta.data<float>(),
+      eps, static_cast<T*>(y.raw_data()), kRms ? nullptr : mean.data<float>(), rstd.data<float>(),
+      rows, cols, cache_rows, cast);
+  OCTET_CHECK_LAUNCH();
+}
+
+template <typename T, int kN, bool kRms>
+void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                     const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                     const Tensor& dbeta) {
+  constexpr int kSums = kRms ? 1 : 2;
+  const Device& device = x.device();
+  const cudaStream_t stream = octet::cuda::stream(device);
+  const int64_t rows = x.rows(), cols = x.cols();
+  NormLayout layout = layout_for(cols);
+  size_t acc_bytes = sizeof(float) * kSums * layout.rows_per_cta * cols;
+  const bool acc_in_smem = acc_bytes <= smem_budget(device);
+  if (!acc_in_smem) {
+    layout.rows_per_cta = 1;  // accumulating straight into the tile's slot: one group per CTA
+    acc_bytes = 0;
+  }
+  const int64_t rows_per_tile =
+      layout.rows_per_cta *
+      std::max<int64_t>(1, ceil_div(rows, layout.rows_per_cta * kTargetTiles));
+  const int64_t tiles = ceil_div(rows, rows_per_tile);
+  OCTET_CHECK(tiles <= INT32_MAX, "norm backward: ", tiles, " row tiles exceed the grid limit");
+  Tensor partials = Tensor::empty({tiles, kSums, cols}, DType::f32, device);
+
+  auto kernel = norm_backward_kernel<T, kN, kRms>;
+  allow_smem(kernel, acc_bytes);
+  const dim3 block(layout.threads_per_row, layout.rows_per_cta);
+  kernel<<<static_cast<unsigned>(tiles), block, acc_bytes, stream>>>(
+      static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
+      gamma.data<float>(), kRms ? nullptr : mean.data<float>(), rstd.data<float>(),
+      static_cast<T*>(dx.raw_data()), partials.data<float>(), rows, cols, rows_per_tile,
+      acc_in_smem);
+  OCTET_CHECK_LAUNCH();
+
+  const int64_t column_blocks = ceil_div(kSums * cols, kWarpSize);
+  OCTET_CHECK(column_blocks <= INT32_MAX, "norm backward: ", cols,
+              " columns exceed the grid limit");
+  column_sums_kernel<<<static_cast<unsigned>(column_blocks), dim3(kWarpSize, kColumnChunks), 0,
+                       stream>>>(partials.data<float>(), tiles, kSums, cols, dgamma.data<float>(),
+                                 kRms ? nullptr : dbeta.data<float>());
+  OCTET_CHECK_LAUNCH();
+  // `partials` is freed stream-ordered (cudaFreeAsync on this stream), after the kernels.
+}
+
+/// Runs f(T{}, kN) with the element type and, when the row length and every pointer allow it,
+/// 16-byte packs; otherwise one element at a time.
+template <typename F>
+void visit_layout(DType dtype, int64_t cols, std::initializer_list<const void*> pointers, F&& f) {
+  math::visit_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    constexpr int kN = kVectorWidth<T>;
+    if (cols % kN == 0 && vector_aligned(pointers)) {
+      f(t, std::integral_constant<int, kN>{});
+    } else {
+      f(t, std::integral_constant<int, 1>{});
+    }
+  });
+}
+
+const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
+
+template <bool kRms>
+void forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, const Tensor& y,
+             const Tensor& mean, const Tensor& rstd, const FusedCast& cast) {
+  DeviceGuard guard(x.device());
+  visit_layout(x.dtype(), x.cols(),
+               {x.raw_data(), y.raw_data(), gamma.raw_data(), ptr_or_null(beta), cast.data},
+               [&](auto t, auto n) {
+                 launch_forward<decltype(t), decltype(n)::value, kRms>(x, gamma, beta, eps, y, mean,
+                                                                       rstd, cast);
+               });
+}
+
+template <bool kRms>
+void backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+              const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+  DeviceGuard guard(x.device());
+  visit_layout(x.dtype(), x.cols(), {dy.raw_data(), x.raw_data(), dx.raw_data(), gamma.raw_data()},
+               [&](auto t, auto n) {
+                 launch_backward<decltype(t), decltype(n)::value, kRms>(dy, x, gamma, mean, rstd,
+                                                                        dx, dgamma, dbeta);
+               });
+}
+
+}  // namespace
+
+void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                       const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                       const FusedCast& cast) {
+  forward<false>(x, gamma, beta, eps, y, mean, rstd, cast);
+}
+
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                        const Tensor& dbeta) {
+  backward<false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+}
+
+void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
+                     const Tensor& rstd, const FusedCast& cast) {
+  forward<true>(x, gamma, Tensor(), eps, y, Tensor(), rstd, cast);
+}
+
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dgamma) {
+  backward<true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor());
+}
+
+}  // namespace octet::ops::cuda

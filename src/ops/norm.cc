@@ -1,0 +1,193 @@
+// Dispatcher of the norm family: validates every argument (messages name what was expected and
+// what was received), then runs the backend of the tensors' device through dispatch(). Also the
+// fused FP8 cast plan that norms and activations share (norm_backend.h).
+#include "octet/ops/norm.h"
+
+#include <cmath>
+#include <utility>
+
+#include "ops/dispatch.h"
+#include "ops/norm_backend.h"
+
+namespace octet::ops {
+namespace {
+
+using fp8::QuantizedTensor;
+using fp8::ScalingMode;
+
+/// Throws unless `t` is a defined f32 tensor of exactly `shape`.
+void check_f32(const Tensor& t, const char* op, const char* name, const Shape& shape) {
+  OCTET_CHECK(t.defined(), op, ": ", name, " is an undefined tensor; expected f32",
+              shape_str(shape));
+  OCTET_CHECK(t.dtype() == DType::f32, op, ": unsupported dtype for ", name, ": expected f32",
+              shape_str(shape), ", got ", t.describe());
+  OCTET_CHECK(t.shape() == shape, op, ": shape mismatch: ", name, " expected f32", shape_str(shape),
+              ", got ", t.describe());
+}
+
+/// Throws unless `t` is a defined tensor of `dtype` and exactly `shape` (fused FP8 buffers).
+void check_buffer(const Tensor& t, const char* op, const char* name, const Shape& shape,
+                  DType dtype) {
+  OCTET_CHECK(t.defined(), op, ": the fused FP8 output's ", name, " is not allocated; expected ",
+              dtype_name(dtype), shape_str(shape));
+  OCTET_CHECK(t.dtype() == dtype && t.shape() == shape, op, ": the fused FP8 output's ", name,
+              " expected ", dtype_name(dtype), shape_str(shape), ", got ", t.describe());
+}
+
+/// x and y of a norm forward (same dtype and shape), gamma (and beta) f32 [cols], eps.
+void check_forward(const char* op, const Tensor& x, const Tensor& gamma, const Tensor* beta,
+                   float eps, const Tensor& y) {
+  check_float_activation(x, op, "x");
+  check_like(y, x, op, "y", "x");
+  check_f32(gamma, op, "gamma", {x.cols()});
+  if (beta != nullptr) check_f32(*beta, op, "beta", {x.cols()});
+  OCTET_CHECK(std::isfinite(eps) && eps >= 0.0f, op, ": eps must be finite and >= 0, got ", eps);
+}
+
+/// dy, x, dx of a norm backward (same dtype and shape), gamma and dgamma (and dbeta) f32 [cols].
+void check_backward(const char* op, const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                    const Tensor& dx, const Tensor& dgamma, const Tensor* dbeta) {
+  check_float_activation(x, op, "x");
+  check_like(dy, x, op, "dy", "x");
+  check_like(dx, x, op, "dx", "x");
+  check_f32(gamma, op, "gamma", {x.cols()});
+  check_f32(dgamma, op, "dgamma", {x.cols()});
+  if (dbeta != nullptr) check_f32(*dbeta, op, "dbeta", {x.cols()});
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// Shared dispatcher pieces (norm_backend.h)
+
+void check_like(const Tensor& t, const Tensor& like, const char* op, const char* name,
+                const char* like_name) {
+  check_float_activation(t, op, name);
+  OCTET_CHECK(t.dtype() == like.dtype(), op, ": dtype mismatch: ", name, " must have the dtype of ",
+              like_name, " (", like.describe(), "), got ", t.describe());
+  OCTET_CHECK(t.shape() == like.shape(), op, ": shape mismatch: ", name, " expected shape ",
+              shape_str(like.shape()), " (as ", like_name, "), got ", t.describe());
+}
+
+FusedPlan::FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& device,
+                     const char* op)
+    : fused_(fused) {
+  if (fused == nullptr) return;
+  OCTET_CHECK(fused->out != nullptr, op,
+              ": fused.out is null; expected the QuantizedTensor to write the FP8 output into");
+  const QuantizedTensor& q = *fused->out;
+  const QuantizeArgs& args = fused->args;
+  const int64_t rows = y.rows(), cols = y.cols();
+  OCTET_CHECK(q.rows == rows && q.cols == cols, op,
+              ": shape mismatch: the fused FP8 output is allocated for a [", q.rows, ", ", q.cols,
+              "] matrix, expected [", rows, ", ", cols, "] for the op's output ", y.describe());
+  OCTET_CHECK(is_fp8(q.dtype), op, ": unsupported dtype ", dtype_name(q.dtype),
+              " for the fused FP8 output; expected e4m3 or e5m2");
+  const std::pair<const Tensor*, const char*> parts[] = {
+      {&q.data, "data"},           {&q.scale_inv, "scale_inv"},
+      {&q.data_t, "data_t"},       {&q.scale_inv_t, "scale_inv_t"},
+      {&args.scale, "args.scale"}, {&args.amax, "args.amax"}};
+  for (const auto& [t, name] : parts) {
+    OCTET_CHECK(!t->defined() || t->device() == device, op, ": the fused FP8 output's ", name,
+                " is on ", t->device(), ", expected ", device, " (the op's tensors' device)");
+  }
+  // Everything else is ops::quantize on the finished output, which validates its own arguments.
+  if (!device.is_cuda() || q.mode != ScalingMode::per_tensor || !q.has_rowwise()) return;
+
+  check_buffer(q.data, op, "data", {rows, cols}, q.dtype);
+  check_buffer(q.scale_inv, op, "scale_inv", {1}, DType::f32);
+  if (q.has_columnwise()) {
+    check_buffer(q.data_t, op, "data_t", {cols, rows}, q.dtype);
+    check_buffer(q.scale_inv_t, op, "scale_inv_t", {1}, DType::f32);
+  }
+  OCTET_CHECK(args.scale.defined() && args.scale.dtype() == DType::f32 && args.scale.numel() == 1,
+              op, ": per_tensor scaling needs fused.args.scale as f32[1], got ",
+              args.scale.describe());
+  OCTET_CHECK(!args.amax.defined() || (args.amax.dtype() == DType::f32 && args.amax.numel() >= 1),
+              op, ": fused.args.amax expected f32[>=1], got ", args.amax.describe());
+  kernel_cast_.data = static_cast<uint8_t*>(q.data.raw_data());
+  kernel_cast_.scale_inv = q.scale_inv.data<float>();
+  kernel_cast_.scale = args.scale.data<float>();
+  // With a transposed copy to follow, the amax waits for it: published after every FP8 store.
+  kernel_cast_.amax =
+      args.amax.defined() && !q.has_columnwise() ? args.amax.data<float>() : nullptr;
+  kernel_cast_.dtype = q.dtype;
+}
+
+void FusedPlan::finish(const Tensor& y) const {
+  if (fused_ == nullptr) return;
+  if (!kernel_cast_.enabled()) {
+    quantize(y, *fused_->out, fused_->args);
+    return;
+  }
+  if (fused_->out->has_columnwise()) {
+    // The kernel wrote the row-wise copy; the transposed copy needs all of y, so the quantize op
+    // writes it (sharing the per-tensor scale) and then records the amax.
+    QuantizedTensor columnwise = *fused_->out;
+    columnwise.data = Tensor();
+    columnwise.scale_inv = Tensor();
+    quantize(y, columnwise, fused_->args);
+  }
+}
+
+// ----------------------------------------------------------------------------
+// Entry points
+
+void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                       const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                       const FusedQuantize* fused) {
+  constexpr const char* op = "layernorm_forward";
+  check_forward(op, x, gamma, &beta, eps, y);
+  check_f32(mean, op, "mean", {x.rows()});
+  check_f32(rstd, op, "rstd", {x.rows()});
+  const Device device = common_device({&x, &gamma, &beta, &y, &mean, &rstd}, op);
+  const FusedPlan plan(fused, y, device, op);
+  dispatch(
+      device, op, [&] { cpu::layernorm_forward(x, gamma, beta, eps, y, mean, rstd); },
+      [&] {
+        OCTET_CUDA_ONLY(
+            cuda::layernorm_forward(x, gamma, beta, eps, y, mean, rstd, plan.kernel_cast()));
+      });
+  plan.finish(y);
+}
+
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                        const Tensor& dbeta) {
+  constexpr const char* op = "layernorm_backward";
+  check_backward(op, dy, x, gamma, dx, dgamma, &dbeta);
+  check_f32(mean, op, "mean", {x.rows()});
+  check_f32(rstd, op, "rstd", {x.rows()});
+  const Device device = common_device({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}, op);
+  dispatch(
+      device, op, [&] { cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta); },
+      [&] {
+        OCTET_CUDA_ONLY(cuda::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta));
+      });
+}
+
+void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
+                     const Tensor& rstd, const FusedQuantize* fused) {
+  constexpr const char* op = "rmsnorm_forward";
+  check_forward(op, x, gamma, nullptr, eps, y);
+  check_f32(rstd, op, "rstd", {x.rows()});
+  const Device device = common_device({&x, &gamma, &y, &rstd}, op);
+  const FusedPlan plan(fused, y, device, op);
+  dispatch(
+      device, op, [&] { cpu::rmsnorm_forward(x, gamma, eps, y, rstd); },
+      [&] { OCTET_CUDA_ONLY(cuda::rmsnorm_forward(x, gamma, eps, y, rstd, plan.kernel_cast())); });
+  plan.finish(y);
+}
+
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dgamma) {
+  constexpr const char* op = "rmsnorm_backward";
+  check_backward(op, dy, x, gamma, dx, dgamma, nullptr);
+  check_f32(rstd, op, "rstd", {x.rows()});
+  const Device device = common_device({&dy, &x, &gamma, &rstd, &dx, &dgamma}, op);
+  dispatch(
+      device, op, [&] { cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma); },
+      [&] { OCTET_CUDA_ONLY(cuda::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma)); });
+}
+
+}  // namespace octet::ops

@@ -1,0 +1,83 @@
+// Backend entry points of the norm family (include/octet/ops/norm.h), and the fused FP8 cast that
+// norms and activations share. The dispatcher (src/ops/norm.cc) validates arguments and opens the
+// device guard and NVTX range; backends may assume valid, non-empty inputs on one device.
+// RMSNorm calls pass undefined tensors for beta, mean and dbeta.
+#pragma once
+
+#include <cstdint>
+
+#include "octet/ops/norm.h"
+
+namespace octet::ops {
+
+/// The row-wise per-tensor FP8 cast that a CUDA kernel fuses into the pass that stores its output
+/// y: data[i] = fp8(y[i] * scale[0]) for y[i] as stored (rounded to y's dtype), scale_inv[0] =
+/// 1 / scale[0], and, when amax is set, amax[0] = max(amax[0], max|y|) over float bits, published
+/// after every store (DESIGN.md rule 1). Exactly what ops::quantize writes for that copy.
+struct FusedCast {
+  uint8_t* data = nullptr;  ///< [rows, cols] of y, FP8; nullptr: no fused cast
+  float* scale_inv = nullptr;
+  const float* scale = nullptr;
+  float* amax = nullptr;  ///< nullptr: the amax is recorded elsewhere (or not at all)
+  DType dtype = DType::e4m3;
+  constexpr bool enabled() const { return data != nullptr; }
+};
+
+/// Throws unless `t` is an f32|bf16 tensor with the dtype and shape of `like`; the message names
+/// `op`, `name` and `like_name`.
+void check_like(const Tensor& t, const Tensor& like, const char* op, const char* name,
+                const char* like_name);
+
+/// Wraps a cuda:: call in a dispatcher's on_cuda branch, which dispatch() never reaches in a
+/// build without CUDA.
+#if OCTET_WITH_CUDA
+#define OCTET_CUDA_ONLY(call) call
+#else
+#define OCTET_CUDA_ONLY(call)
+#endif
+
+/// How an op honours its optional FusedQuantize. The CUDA backend casts the row-wise per-tensor
+/// copy in its kernel (kernel_cast()); everything else (the CPU, block scaling modes, the
+/// transposed copy) is ops::quantize on the finished output, run by finish(). The CPU path is the
+/// reference the fused kernels are tested against, bit for bit.
+class FusedPlan {
+ public:
+  /// Validates `fused` (nullptr: nothing to do) against the op's output `y`, which lives on
+  /// `device`; throws naming `op` on a shape, dtype or device mismatch.
+  FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& device, const char* op);
+  /// The cast for the CUDA kernel; disabled unless it fuses anything.
+  const FusedCast& kernel_cast() const { return kernel_cast_; }
+  /// After the op: quantizes `y` for whatever the kernel did not write.
+  void finish(const Tensor& y) const;
+
+ private:
+  const FusedQuantize* fused_ = nullptr;
+  FusedCast kernel_cast_;
+};
+
+}  // namespace octet::ops
+
+namespace octet::ops::cpu {
+void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                       const Tensor& y, const Tensor& mean, const Tensor& rstd);
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                        const Tensor& dbeta);
+void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
+                     const Tensor& rstd);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dgamma);
+}  // namespace octet::ops::cpu
+
+namespace octet::ops::cuda {
+void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                       const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                       const FusedCast& cast);
+void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
+                        const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
+                        const Tensor& dbeta);
+void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
+                     const Tensor& rstd, const FusedCast& cast);
+void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
+                      const Tensor& dx, const Tensor& dgamma);
+}  // namespace octet::ops::cuda

@@ -1,0 +1,192 @@
+// Checks shared by the norm and activation suites: closeness to a double-precision reference with
+// a bound scaled by the magnitude of the terms, central-difference gradients, and the fused FP8
+// cast against ops::quantize on the unfused output.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "octet/fp8/format.h"
+#include "octet/fp8/quantized_tensor.h"
+#include "octet/ops/norm.h"
+#include "octet/ops/quantize.h"
+#include "test_util.h"
+
+namespace octet::testing {
+
+/// f32 results may differ from the exact value by this fraction of the magnitude of the terms
+/// that produced them (sum of |term|): a few f32 ulps (2^-24 = 6e-8) per operation, times the
+/// square root of the number of summed terms (a row of 3221 columns: ~60).
+inline constexpr double kF32ReductionTol = 3e-5;
+/// The same for the elementwise formulas (no long sums; tanhf/expf are within 2 ulps on the host
+/// and on CUDA): ~60 ulps of f32.
+inline constexpr double kF32ElementwiseTol = 4e-6;
+/// A bf16 output is rounded once more, to 8 significant bits: half an ulp is 2^-9 of the value;
+/// the bound allows a full ulp.
+inline constexpr double kBf16Rounding = 1.0 / 256;
+
+/// Extra relative error that rounding the output to `dtype` adds.
+inline double output_rounding(DType dtype) { return dtype == DType::bf16 ? kBf16Rounding : 0.0; }
+
+/// A tensor's copy on `device`, or the tensor itself when it is already there.
+inline Tensor on(const Tensor& t, const Device& device) {
+  return t.device() == device ? t : t.to(device);
+}
+
+/// A CPU tensor of f32 or bf16 holding `values` (rounded to nearest even for bf16).
+inline Tensor make_tensor(const std::vector<float>& values, const Shape& shape, DType dtype) {
+  Tensor t = Tensor::empty(shape, dtype);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::f32) {
+      t.data<float>()[i] = values[i];
+    } else {
+      static_cast<uint16_t*>(t.raw_data())[i] = fp8::encode_bf16(values[i]);
+    }
+  }
+  return t;
+}
+
+/// `n` values uniform in [lo, hi] (never exactly 0) from `rng`.
+inline std::vector<float> uniform_values(int64_t n, float lo, float hi, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) {
+    x = dist(rng);
+    if (x == 0.0f) x = hi / 3;
+  }
+  return v;
+}
+
+/// Passes when |got - ref| <= tol * mag + rounding * |ref| for every element; otherwise reports
+/// how many elements fail and the worst one.
+inline ::testing::AssertionResult close_to(const std::vector<float>& got,
+                                           const std::vector<double>& ref,
+                                           const std::vector<double>& mag, double tol,
+                                           double rounding) {
+  if (got.size() != ref.size() || ref.size() != mag.size())
+    return ::testing::AssertionFailure()
+           << "sizes differ: " << got.size() << " results, " << ref.size() << " references";
+  size_t failures = 0, worst = 0;
+  double worst_ratio = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    const double bound = tol * mag[i] + rounding * std::fabs(ref[i]);
+    const double ratio = std::isnan(err) ? INFINITY : err / bound;
+    if (!(err <= bound)) ++failures;
+    if (!(ratio <= worst_ratio)) worst_ratio = ratio, worst = i;
+  }
+  if (failures == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << failures << " of " << got.size() << " elements out of tolerance; worst at " << worst
+         << ": got " << got[worst] << ", expected " << ref[worst] << " (error "
+         << std::fabs(got[worst] - ref[worst]) << ", bound " << tol * mag[worst] << " + "
+         << rounding << " * |expected|)";
+}
+
+/// Central differences of L(p) = sum_i w_i * out_i (accumulated in double) for every element j
+/// of the f32 CPU tensor `param`: (L(p_j + h) - L(p_j - h)) / (2h) with h the step as actually
+/// represented in f32. `forward` runs the op with the current contents of `param` and returns its
+/// output. Passes when each difference is within abs_tol + rel_tol * |analytic_j|.
+inline ::testing::AssertionResult matches_central_differences(
+    const Tensor& param, const std::function<std::vector<float>()>& forward,
+    const std::vector<float>& w, const std::vector<float>& analytic, float step, double abs_tol,
+    double rel_tol) {
+  float* p = param.data<float>();
+  const auto loss = [&] {
+    const std::vector<float> out = forward();
+    double l = 0.0;
+    for (size_t i = 0; i < out.size(); ++i) l += static_cast<double>(w[i]) * out[i];
+    return l;
+  };
+  for (int64_t j = 0; j < param.numel(); ++j) {
+    const float v = p[j];
+    p[j] = v + step;
+    const double up = p[j];
+    const double plus = loss();
+    p[j] = v - step;
+    const double down = p[j];
+    const double minus = loss();
+    p[j] = v;
+    const double numeric = (plus - minus) / (up - down);
+    if (!(std::fabs(numeric - analytic[j]) <= abs_tol + rel_tol * std::fabs(analytic[j])))
+      return ::testing::AssertionFailure()
+             << "element " << j << " of " << param.numel() << ": analytic " << analytic[j]
+             << ", central difference " << numeric;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+/// One way of fusing an FP8 cast into an op.
+struct FusedCase {
+  fp8::ScalingMode mode;
+  DType fp8;
+  fp8::Usage usage;
+};
+
+/// Every path of the fused cast: the per-tensor row-wise cast in the kernel (with the amax), the
+/// same plus the transposed copy (amax recorded after it), and a block mode, which the op hands
+/// to ops::quantize.
+inline std::vector<FusedCase> fused_cases() {
+  return {{fp8::ScalingMode::per_tensor, DType::e4m3, {true, false}},
+          {fp8::ScalingMode::per_tensor, DType::e5m2, {true, true}},
+          {fp8::ScalingMode::block_1x128, DType::e4m3, {true, true}}};
+}
+
+/// Runs `run` (the op writing `out` on `device`) unfused followed by ops::quantize(out), then
+/// fused, and expects the outputs, the FP8 copies, their scales and the amax to be bitwise
+/// equal. The per-tensor scale makes the largest values saturate.
+inline void expect_fused_matches_unfused(const Device& device, const Tensor& out,
+                                         const std::function<void(const ops::FusedQuantize*)>& run,
+                                         const FusedCase& c) {
+  SCOPED_TRACE(::testing::Message() << "fused cast " << fp8::scaling_mode_name(c.mode) << " "
+                                    << dtype_name(c.fp8) << (c.usage.columnwise ? " +data_t" : ""));
+  /// The scale maps this fraction of max|out| to the FP8 maximum, so the top values saturate.
+  constexpr float kSaturatingFraction = 0.9f;
+  /// amax starts below max|out|, so the call must raise it.
+  constexpr float kAmaxBefore = 1e-3f;
+  run(nullptr);
+  const Tensor unfused = out.clone();
+  float max_abs = 0.0f;
+  for (float v : to_floats(unfused)) max_abs = std::max(max_abs, std::fabs(v));
+  ASSERT_GT(max_abs, kAmaxBefore);
+  const Tensor scale =
+      on(Tensor::from_vector({fp8::fp8_max(c.fp8) / (kSaturatingFraction * max_abs)}, {1}), device);
+  const int64_t rows = out.rows(), cols = out.cols();
+
+  auto fresh = [&] {
+    return fp8::QuantizedTensor::allocate(rows, cols, c.fp8, c.mode, c.usage, device);
+  };
+  fp8::QuantizedTensor expected = fresh();
+  const Tensor expected_amax = on(Tensor::from_vector({kAmaxBefore}, {1}), device);
+  ops::quantize(unfused, expected, ops::QuantizeArgs{scale, expected_amax});
+
+  fp8::QuantizedTensor actual = fresh();
+  const Tensor actual_amax = on(Tensor::from_vector({kAmaxBefore}, {1}), device);
+  const ops::FusedQuantize fused{&actual, ops::QuantizeArgs{scale, actual_amax}};
+  run(&fused);
+
+  EXPECT_TRUE(bitwise_equal(unfused, out)) << "the op's own output";
+  if (c.usage.rowwise) {
+    EXPECT_TRUE(bitwise_equal(expected.data, actual.data)) << "data";
+    EXPECT_TRUE(bitwise_equal(expected.scale_inv, actual.scale_inv)) << "scale_inv";
+  }
+  if (c.usage.columnwise) {
+    EXPECT_TRUE(bitwise_equal(expected.data_t, actual.data_t)) << "data_t";
+    EXPECT_TRUE(bitwise_equal(expected.scale_inv_t, actual.scale_inv_t)) << "scale_inv_t";
+  }
+  EXPECT_TRUE(bitwise_equal(expected_amax, actual_amax)) << "amax";
+  EXPECT_GT(to_floats(actual_amax)[0], kAmaxBefore) << "amax was not raised";
+}
+
+inline std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
+
+}  // namespace octet::testing
