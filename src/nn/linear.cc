@@ -120,8 +120,7 @@ FP8State& Linear::state_for(const fp8::Recipe& recipe) {
 }
 
 std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key,
-                                                      const fp8::Recipe* recipe,
-                                                      ForwardMode mode) {
+                                                      const fp8::Recipe* recipe, ForwardMode mode) {
   if (weight_cast_ && weight_cast_->key == key) return weight_cast_;
   // Inference leaves the module as it found it: no amax recorded, nothing cached or counted.
   const bool inference = mode == ForwardMode::inference;
