@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what octet needs (Debian/Ubuntu, via apt-get, only what is missing), then configures
-# and builds into ./build. Sourced by scripts/test.sh and scripts/train.sh.
+# and builds into ./build. Arguments name the targets to build (default: all). Used by
+# scripts/test.sh and scripts/train.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,4 +23,6 @@ build_dir=${OCTET_BUILD_DIR:-build}
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release ${OCTET_CMAKE_ARGS:-} >"$build_dir.configure.log" 2>&1 \
   || { cat "$build_dir.configure.log"; exit 1; }
 grep -E "octet: CUDA backend" "$build_dir.configure.log" || true
-cmake --build "$build_dir" -j"$(nproc)"
+targets=()
+for t in "$@"; do targets+=(--target "$t"); done
+cmake --build "$build_dir" -j"$(nproc)" "${targets[@]}"

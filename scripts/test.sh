@@ -3,7 +3,7 @@
 # Ends with one line "N passed, N failed, N skipped".
 set -uo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh || exit 1
+scripts/setup.sh octet_tests || exit 1
 build_dir=${OCTET_BUILD_DIR:-build}
 log="$build_dir/test.log"
 "$build_dir/octet_tests" --gtest_brief=1 "$@" 2>&1 | tee "$log"

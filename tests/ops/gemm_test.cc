@@ -55,8 +55,12 @@ constexpr double kTensorCoreRelL2 = 1e-5;
 /// between promotions, DeepSeek-V3 report section 3.3.2): about 2^-14 per addition, random walk
 /// over K <= 400 here; we allow 2^-9.
 constexpr double kFastAccumulationRelL2 = 0.001953125;
+/// Hopper's FP8 tensor cores with split accumulation: the products are exact, but the MMA adds
+/// them to the running sum in reduced precision between promotions to FP32, so the f32 bound does
+/// not apply. Measured on an H200 (2026-11-30, random inputs, K <= 1024): 2.2e-4; we allow 1e-3.
+constexpr double kFp8TensorCoreRelL2 = 1e-3;
 /// CPU vs CUDA on identical FP8 inputs with f32 output.
-constexpr double kCpuCudaFp8RelL2 = kTensorCoreRelL2;
+constexpr double kCpuCudaFp8RelL2 = kFp8TensorCoreRelL2;
 
 /// Integer inputs are drawn from [-kIntRange, kIntRange]: exact in bf16, e4m3 and e5m2.
 constexpr int kIntRange = 4;
@@ -453,7 +457,9 @@ double random_tolerance(const GemmCase& c) {
   double tolerance = kF32UnitRoundoff * (kTermRoundings + kEpilogueRoundings +
                                          std::sqrt(static_cast<double>(c.dims.k)));
   if (c.backend.is_cuda() && c.operands != Operands::f32)
-    tolerance = c.accumulation == Accumulation::fast ? kFastAccumulationRelL2 : kTensorCoreRelL2;
+    tolerance = c.accumulation == Accumulation::fast ? kFastAccumulationRelL2
+                : c.operands == Operands::bf16           ? kTensorCoreRelL2
+                                                         : kFp8TensorCoreRelL2;
   if (c.out == DType::bf16) tolerance += kBf16OutputRelL2;
   return tolerance;
 }

@@ -31,6 +31,7 @@
 #include "octet/fp8/format.h"
 #include "ops/cuda/cublaslt.h"
 #include "ops/gemm_backend.h"
+#include "ops/quantize_backend.h"
 
 namespace octet::ops::cuda {
 namespace {
@@ -650,6 +651,16 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
     OCTET_CHECK(props.major * 10 + props.minor >= kFirstFp8ComputeCapability,
                 "gemm: FP8 GEMMs need FP8 tensor cores (compute capability 8.9 or newer); ", device,
                 " is ", gpu_name(device));
+  }
+  if (a.data.dtype() == DType::f32 && d.dtype() == DType::bf16) {
+    // cuBLASLt's FP32 GEMM writes FP32 only: go through an FP32 D and round to BF16 once at the
+    // end, as the CPU reference does.
+    const Tensor d_bf16 = d.view({shape.m, shape.n});
+    Tensor d_f32 = Tensor::empty({shape.m, shape.n}, DType::f32, device);
+    if (args.beta != 0.0f) cast(d_bf16, d_f32);
+    run_cublaslt(device, a, b, d_f32, args, shape);
+    cast(d_f32, d_bf16);
+    return;
   }
   if (run_cublaslt(device, a, b, d, args, shape)) return;
   run_mxfp8_emulated(device, a, b, d, args, shape);
