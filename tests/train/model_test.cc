@@ -69,6 +69,36 @@ void set_element(const Tensor& t, int64_t i, float v) {
   Tensor(t).copy_from(Tensor::from_vector(values, t.shape()).to(t.device()));
 }
 
+/// AdamW (the trainer's optimizer op) over every parameter of a model, moments on its device.
+struct AdamW {
+  std::vector<Parameter> params;
+  std::vector<Tensor> m, v, grads;
+  Tensor norm_sq;
+
+  explicit AdamW(GPT& model) : params(model.parameters()) {
+    for (const Parameter& p : params) {
+      m.push_back(Tensor::zeros(p.value.shape(), DType::f32, model.device()));
+      v.push_back(Tensor::zeros(p.value.shape(), DType::f32, model.device()));
+      grads.push_back(p.grad);
+    }
+    norm_sq = Tensor::zeros({1}, DType::f32, model.device());
+  }
+
+  /// One step from the accumulated gradients (clipped to norm 1), then tells the model.
+  void step(GPT& model, int64_t step, float lr) {
+    norm_sq.zero();
+    ops::global_norm_squared(grads.data(), static_cast<int>(grads.size()), norm_sq);
+    for (size_t i = 0; i < params.size(); ++i) {
+      ops::AdamWArgs args;
+      args.lr = lr;
+      args.step = step;
+      args.weight_decay = params[i].weight_decay ? 0.1f : 0.0f;
+      ops::adamw_step(params[i].value, params[i].grad, m[i], v[i], norm_sq, args);
+    }
+    model.on_weights_updated();
+  }
+};
+
 /// Five-point central difference of evaluate() over element i of a parameter, in float64:
 /// (-L(x+2h) + 8 L(x+h) - 8 L(x-h) + L(x-2h)) / 12h, whose truncation error is O(h^4). The
 /// residual stream at initialization is small (~0.03), so a perturbation of a bias that adds to
@@ -184,30 +214,14 @@ TEST_P(GPTTrainingTest, AdamWStepsLowerTheLossOfAFixedBatch) {
   GPT model(micro(arch), Precision::from_name(precision), Device::cpu(), seed, false);
   const Tensor ids = random_tokens(kRows, 32, seed + 1);
   const Tensor targets = random_tokens(kRows, 32, seed + 2);
-  std::vector<Parameter> params = model.parameters();
-  std::vector<Tensor> m, v, grads;
-  for (const Parameter& p : params) {
-    m.push_back(Tensor::zeros(p.value.shape(), DType::f32));
-    v.push_back(Tensor::zeros(p.value.shape(), DType::f32));
-    grads.push_back(p.grad);
-  }
-  Tensor norm_sq = Tensor::zeros({1}, DType::f32);
-  constexpr int kSteps = 8;
+  AdamW optimizer(model);
+  constexpr int kTrainSteps = 8;
   std::vector<float> losses;
-  for (int step = 1; step <= kSteps; ++step) {
+  for (int step = 1; step <= kTrainSteps; ++step) {
     model.zero_grad();
     losses.push_back(model.train_microbatch(ids, targets, kBatch, kSeq, 1.0f));
     ASSERT_TRUE(std::isfinite(losses.back())) << "step " << step;
-    norm_sq.zero();
-    ops::global_norm_squared(grads.data(), static_cast<int>(grads.size()), norm_sq);
-    for (size_t i = 0; i < params.size(); ++i) {
-      ops::AdamWArgs args;
-      args.lr = 1e-2f;
-      args.step = step;
-      args.weight_decay = params[i].weight_decay ? 0.1f : 0.0f;
-      ops::adamw_step(params[i].value, params[i].grad, m[i], v[i], norm_sq, args);
-    }
-    model.on_weights_updated();
+    optimizer.step(model, step, 1e-2f);
   }
   // Uniform guessing over 32 tokens costs ln 32 = 3.47; a memorized batch much less.
   EXPECT_NEAR(losses.front(), std::log(32.0f), 0.2f);
@@ -226,27 +240,35 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GPTTrainingTest,
 // ----------------------------------------------------------------------------
 // Recompute and determinism: bitwise, one FP8 update per pass
 
-constexpr int kMicrobatches = 3;
+constexpr int kSteps = 2;
+constexpr int kMicrobatches = 3;  ///< per step
 
 struct ModelRun {
-  std::vector<float> losses;
-  std::vector<Tensor> grads;   ///< every parameter gradient after the step (on the CPU)
-  std::vector<Tensor> states;  ///< every FP8 state tensor after the step
+  std::vector<float> losses;   ///< of every microbatch
+  std::vector<Tensor> grads;   ///< every parameter gradient at the end of every step (on the CPU)
+  std::vector<Tensor> states;  ///< every FP8 state tensor at the end
   int64_t forward_updates = 0, backward_updates = 0;
   std::vector<int64_t> per_state;
 };
 
+/// kSteps optimizer steps of kMicrobatches accumulated microbatches each.
 ModelRun run_model(const Device& device, Arch arch, const std::string& precision, bool recompute,
                    uint64_t seed) {
   GPT model(micro(arch), Precision::from_name(precision), device, seed, recompute);
+  AdamW optimizer(model);
   ModelRun run;
-  model.zero_grad();
-  for (int mb = 0; mb < kMicrobatches; ++mb) {
-    const Tensor ids = random_tokens(kRows, 32, seed + 11 * (mb + 1));
-    const Tensor targets = random_tokens(kRows, 32, seed + 11 * (mb + 1) + 1);
-    run.losses.push_back(model.train_microbatch(ids, targets, kBatch, kSeq, 1.0f / kMicrobatches));
+  for (int step = 1; step <= kSteps; ++step) {
+    model.zero_grad();
+    for (int mb = 0; mb < kMicrobatches; ++mb) {
+      const uint64_t data_seed = seed + 11 * (step * kMicrobatches + mb);
+      const Tensor ids = random_tokens(kRows, 32, data_seed);
+      const Tensor targets = random_tokens(kRows, 32, data_seed + 1);
+      run.losses.push_back(
+          model.train_microbatch(ids, targets, kBatch, kSeq, 1.0f / kMicrobatches));
+    }
+    for (const Parameter& p : model.parameters()) run.grads.push_back(p.grad.to(Device::cpu()));
+    optimizer.step(model, step, 1e-2f);
   }
-  for (const Parameter& p : model.parameters()) run.grads.push_back(p.grad.to(Device::cpu()));
   for (const Fp8Module& mod : model.fp8_modules()) {
     for (nn::Pass pass : {nn::Pass::forward, nn::Pass::backward}) {
       const ops::ScalingGroup& g = mod.state->group(pass);
@@ -291,11 +313,12 @@ TEST_P(GPTRecomputeTest, RecomputeAndRepeatRunsAreBitwiseEqualWithOneUpdatePerPa
   expect_bitwise_same(plain, recomputed, "with and without recompute");
   const bool fp8 = precision.starts_with("fp8");
   const int64_t layers = micro(arch).layers;
+  constexpr int64_t kPasses = kSteps * kMicrobatches;
   for (const ModelRun* run : {&plain, &recomputed}) {
-    EXPECT_EQ(run->forward_updates, fp8 ? kMicrobatches : 0);
-    EXPECT_EQ(run->backward_updates, fp8 ? kMicrobatches : 0);
+    EXPECT_EQ(run->forward_updates, fp8 ? kPasses : 0);
+    EXPECT_EQ(run->backward_updates, fp8 ? kPasses : 0);
     EXPECT_EQ(run->per_state.size(), fp8 ? static_cast<size_t>(2 * 4 * layers) : 0u);
-    for (int64_t n : run->per_state) EXPECT_EQ(n, kMicrobatches);
+    for (int64_t n : run->per_state) EXPECT_EQ(n, kPasses);
   }
 }
 
