@@ -99,6 +99,23 @@ Tensor token_tensor(const Tensor& t, int64_t rows, const Device& device, const c
   return on_device(t, device).view({rows});
 }
 
+/// Targets that count towards the loss (a negative target is ignored), counted on the host.
+int64_t counted_targets(const Tensor& targets) {
+  const Tensor host = targets.to(Device::cpu());
+  const int32_t* t = host.data<int32_t>();
+  return std::count_if(t, t + host.numel(), [](int32_t v) { return v >= 0; });
+}
+
+/// The mean of the per-row losses (f32, any device; ignored rows hold 0) over the counted
+/// targets, summed on the host in row order in float64. 0 when no target counts (such a
+/// microbatch also contributes no gradient).
+float mean_loss(const Tensor& losses, int64_t counted) {
+  if (counted == 0) return 0.0f;
+  double total = 0;
+  for (float v : host_values_f32(losses)) total += v;
+  return static_cast<float>(total / static_cast<double>(counted));
+}
+
 /// The host values of an f32|bf16 tensor (any device) as floats.
 std::vector<float> host_floats(const Tensor& t) {
   if (t.dtype() == DType::f32) return host_values_f32(t);
@@ -156,6 +173,18 @@ Fp8InputStats measure_input(const std::string& name, const Tensor& input,
   stats.underflow_fraction =
       nonzero == 0 ? 0.0 : static_cast<double>(underflow) / static_cast<double>(nonzero);
   return stats;
+}
+
+/// The config, after validate() (which throws naming the offending fields).
+ModelConfig validated(const ModelConfig& config) {
+  config.validate();
+  return config;
+}
+
+/// The precision, after validating its recipe (fp8 only).
+Precision validated(const Precision& precision) {
+  if (precision.kind == Precision::Kind::fp8) precision.recipe.validate();
+  return precision;
 }
 
 }  // namespace
@@ -238,14 +267,13 @@ struct GPT::Impl {
 
 GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed,
                 bool recompute)
-    : config((c.validate(), c)),
-      precision(p),
+    : config(validated(c)),
+      precision(validated(p)),
       device(d),
       act(p.activation_dtype()),
       fp8(p.kind == Precision::Kind::fp8),
       final_norm(c.arch == Arch::gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm, c.dim,
                  c.norm_eps, d) {
-  if (fp8) precision.recipe.validate();
   const bool gpt2 = config.arch == Arch::gpt2;
   wte = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
   grad_wte = Tensor::zeros({config.vocab, config.dim}, DType::f32, device);
@@ -267,7 +295,8 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
       .rope_theta = config.rope_theta,
       .norm_eps = config.norm_eps,
   };
-  // Linear's compute dtype outside FP8 autocast: the activation dtype.
+  // Linear's compute dtype outside FP8 autocast is the activation dtype. The layers' own
+  // (uniform) initialization is replaced by initialize() below.
   blocks.reserve(static_cast<size_t>(config.layers));
   for (int64_t l = 0; l < config.layers; ++l)
     blocks.emplace_back(block, device, mix64(seed + kGolden * (l + 1)), act, recompute);
@@ -420,10 +449,7 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   const int64_t rows = batch * seq;
   const Tensor ids_d = token_tensor(ids, rows, m.device, "ids");
   const Tensor targets_d = token_tensor(targets, rows, m.device, "targets");
-  // The loss is a mean over the targets that count (a negative target is ignored).
-  const Tensor targets_host = targets.to(Device::cpu());
-  const int32_t* t = targets_host.data<int32_t>();
-  const int64_t counted = std::count_if(t, t + rows, [](int32_t v) { return v >= 0; });
+  const int64_t counted = counted_targets(targets);
   const float scale = counted > 0 ? grad_scale / static_cast<float>(counted) : 0.0f;
 
   std::vector<nn::TransformerBlock::Saved> saved;
@@ -444,10 +470,7 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l]);
   ops::embedding_backward(ids_d, dx, seq, m.grad_wte, m.grad_wpe);
   if (m.fp8) m.registry.finalize_backward();
-
-  double total = 0;
-  for (float v : host_values_f32(losses)) total += v;
-  return counted > 0 ? static_cast<float>(total / static_cast<double>(counted)) : 0.0f;
+  return mean_loss(losses, counted);
 }
 
 float GPT::evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq) {
@@ -467,16 +490,7 @@ float GPT::evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int
     const Tensor logits = m.head_forward(m.final_norm.forward(x, norm_saved));
     ops::cross_entropy(logits, targets_d, losses, Tensor(), 0.0f);
   });
-  const Tensor targets_host = targets.to(Device::cpu());
-  const int32_t* t = targets_host.data<int32_t>();
-  const std::vector<float> values = host_values_f32(losses);
-  double total = 0;
-  int64_t counted = 0;
-  for (int64_t i = 0; i < rows; ++i) {
-    total += values[static_cast<size_t>(i)];
-    counted += t[i] >= 0;
-  }
-  return counted > 0 ? static_cast<float>(total / static_cast<double>(counted)) : 0.0f;
+  return mean_loss(losses, counted_targets(targets));
 }
 
 Tensor GPT::logits_at(const Tensor& ids, int64_t batch, int64_t seq, int64_t position) {
