@@ -46,13 +46,15 @@ void current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
                              recipe.power_of_2_scales);
 }
 
-/// Quantizes the [rows, cols] matrix x for `role`, row-wise and transposed (every FP8 operand of
-/// a Linear is used both ways). `scale`: per-tensor recipes only; `amax_slot`: optional.
+/// Quantizes the [rows, cols] matrix x for `role`, row-wise and, unless `rowwise_only`, transposed
+/// (a training operand is used both ways; an inference input only row-wise). `scale`: per-tensor
+/// recipes only; `amax_slot`: optional.
 fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
-                                  const Tensor& scale, const Tensor& amax_slot) {
+                                  const Tensor& scale, const Tensor& amax_slot,
+                                  bool rowwise_only = false) {
   fp8::QuantizedTensor q = fp8::QuantizedTensor::allocate(
       x.rows(), x.cols(), recipe.dtype_for(role), recipe.mode_for(role),
-      fp8::Usage{.rowwise = true, .columnwise = true}, x.device());
+      fp8::Usage{.rowwise = true, .columnwise = !rowwise_only}, x.device());
   ops::QuantizeArgs args;
   args.scale = scale;
   args.amax = amax_slot;
@@ -118,8 +120,10 @@ FP8State& Linear::state_for(const fp8::Recipe& recipe) {
 }
 
 std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key,
-                                                      const fp8::Recipe* recipe) {
+                                                      const fp8::Recipe* recipe, ForwardMode mode) {
   if (weight_cast_ && weight_cast_->key == key) return weight_cast_;
+  // Inference leaves the module as it found it: no amax recorded, nothing cached or counted.
+  const bool inference = mode == ForwardMode::inference;
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
   if (key.fp8) {
@@ -136,10 +140,11 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
     }
     cast->scale = scale;
     cast->q = quantize_for(weight_, *recipe, TensorRole::weight, scale,
-                           state_->amax_slot(TensorRole::weight));
+                           inference ? Tensor() : state_->amax_slot(TensorRole::weight));
   } else {
     cast->dense = in_dtype(weight_, key.dtype);
   }
+  if (inference) return cast;
   ++weight_casts_;
   weight_cast_ = std::move(cast);
   return weight_cast_;
@@ -159,16 +164,24 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
     snap.fp8 = fp8_context != nullptr;
     if (snap.fp8) {
       snap.recipe = fp8_context->recipe;
-      state_for(snap.recipe);
-      fp8_context->registry->register_state(state_);
+      if (mode == ForwardMode::inference) {
+        OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
+                    "Linear::forward(inference) under ", snap.recipe.name(),
+                    " needs the layer's FP8 state for that recipe (train under it first, or call "
+                    "ensure_fp8_state), got ",
+                    state_ ? "a state for " + state_->recipe().name() : std::string("none"));
+      } else {
+        state_for(snap.recipe);
+        fp8_context->registry->register_state(state_);
+      }
       snap.weight = weight_cast({.fp8 = true,
                                  .kind = snap.recipe.kind,
                                  .dtype = snap.recipe.dtype_for(TensorRole::weight),
                                  .mode = snap.recipe.mode_for(TensorRole::weight),
                                  .power_of_2 = snap.recipe.power_of_2_scales},
-                                &snap.recipe);
+                                &snap.recipe, mode);
     } else {
-      snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr);
+      snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr, mode);
     }
   }
   out.input_shape = x.shape();
@@ -196,7 +209,8 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
 
   Tensor input_scale;
   if (per_tensor(recipe)) {
-    if (record) {  // the scales in use, copied so that recompute sees these even after updates
+    // The scales in use, copied so that recompute sees these even after updates.
+    if (mode != ForwardMode::recompute) {
       snap.scales = Tensor::empty({2}, DType::f32, device_);
       input_scale = snap.scales.slice(0, 1);
       if (recipe.kind == fp8::RecipeKind::delayed) {
@@ -214,7 +228,8 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
     }
   }
   saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
-                               record ? state_->amax_slot(TensorRole::input) : Tensor());
+                               record ? state_->amax_slot(TensorRole::input) : Tensor(),
+                               /*rowwise_only=*/mode == ForwardMode::inference);
   if (record) state_->mark_recorded(Pass::forward);
 
   ops::GemmArgs args;
@@ -262,6 +277,9 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
   OCTET_CHECK(state_ != nullptr && state_->matches(recipe),
               "Linear::backward: the FP8 state of the forward's recipe ", recipe.name(),
               " is gone (was the layer run under another recipe in between?)");
+  OCTET_CHECK(saved.input_q.has_columnwise(),
+              "Linear::backward needs the Saved of a training forward, got one of an inference "
+              "forward (it keeps no transposed input)");
   Tensor scale;
   if (recipe.kind == fp8::RecipeKind::delayed) {
     scale = state_->scale(TensorRole::grad_output);

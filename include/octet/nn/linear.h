@@ -14,8 +14,11 @@ namespace octet::nn {
 
 /// normal: a training forward. recompute: rebuilding Saved during backward (activation
 /// recompute): it uses the scales and weight cast of the original forward, records no amax and
-/// updates no FP8 state, so it rebuilds exactly the same Saved bytes.
-enum class ForwardMode : uint8_t { normal, recompute };
+/// updates no FP8 state, so it rebuilds exactly the same Saved bytes. inference: evaluation; under
+/// fp8_autocast it computes with the state's current scales (or the cached weight cast) but
+/// records no amax, registers nothing and caches no new weight cast, so the FP8 state and the
+/// cast cache are left exactly as they were; its Saved cannot be used for backward.
+enum class ForwardMode : uint8_t { normal, recompute, inference };
 
 /// The weight in the format a forward computes in. Built once per optimizer step and shared by
 /// every microbatch (and by the Saved records that used it); its scales belong to it, so later
@@ -100,6 +103,9 @@ class Linear {
   const Tensor& grad_bias() const { return grad_bias_; }
   /// The FP8 state (nullptr before the first FP8 forward).
   const std::shared_ptr<FP8State>& fp8_state() const { return state_; }
+  /// The FP8 state for `recipe`, created now (scales 1, zero history) when absent or made for
+  /// another recipe: lets a model build and register every state before its first step.
+  FP8State& ensure_fp8_state(const fp8::Recipe& recipe) { return state_for(recipe); }
   /// How many times the weight was prepared for a compute format (an FP8 cast, a BF16 cast, or
   /// adopting the FP32 master): once per optimizer step when microbatches share one format.
   int64_t weight_casts() const { return weight_casts_; }
@@ -110,8 +116,9 @@ class Linear {
   /// The FP8 state for `recipe`, (re)built when absent or made for another recipe.
   FP8State& state_for(const fp8::Recipe& recipe);
   /// The cached weight cast for `key`, cast now when the cache is empty or for another key.
+  /// Inference casts a missing one without recording its amax and without caching it.
   std::shared_ptr<const WeightCast> weight_cast(const WeightCast::Key& key,
-                                                const fp8::Recipe* recipe);
+                                                const fp8::Recipe* recipe, ForwardMode mode);
   void forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved);
   void forward_dense(const Tensor& x, const Tensor& y, Saved& saved);
   void backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved);

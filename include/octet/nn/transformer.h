@@ -1,0 +1,205 @@
+// Transformer modules with explicit forward and backward: Norm (LayerNorm or RMSNorm), causal
+// self-attention, MLP, and the pre-norm TransformerBlock with activation recompute.
+//
+// Activations flow in one dtype (f32 or bf16, the input's); parameters and gradients are FP32.
+// The four Linear layers of a block run FP8 GEMMs under an active Fp8Autocast. Every module lives
+// on one device.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+
+#include "octet/core/tensor.h"
+#include "octet/nn/linear.h"
+#include "octet/ops/activation.h"
+#include "octet/ops/attention.h"
+
+namespace octet::nn {
+
+enum class NormKind : uint8_t {
+  layernorm,  ///< (x - mean) * rstd * gamma + beta
+  rmsnorm,    ///< x * rstd * gamma
+};
+
+/// LayerNorm or RMSNorm over the last dimension, FP32 gamma (ones) and beta (zeros, LayerNorm).
+class Norm {
+ public:
+  /// What backward needs: the input (shared, not copied) and the row statistics.
+  struct Saved {
+    Tensor input;  ///< [rows, dim]
+    Tensor mean;   ///< f32 [rows], LayerNorm only
+    Tensor rstd;   ///< f32 [rows]
+  };
+
+  Norm(NormKind kind, int64_t dim, float eps, const Device& device);
+
+  /// y (x's dtype and shape) = norm(x) for x [..., dim] f32|bf16.
+  Tensor forward(const Tensor& x, Saved& saved) const;
+  /// dx from dy (x's shape and dtype); accumulates grad_gamma (and grad_beta).
+  Tensor backward(const Tensor& dy, const Saved& saved);
+  void zero_grad();
+
+  NormKind kind() const { return kind_; }
+  int64_t dim() const { return dim_; }
+  const Tensor& gamma() const { return gamma_; }
+  /// Undefined for RMSNorm.
+  const Tensor& beta() const { return beta_; }
+  const Tensor& grad_gamma() const { return grad_gamma_; }
+  const Tensor& grad_beta() const { return grad_beta_; }
+
+ private:
+  NormKind kind_;
+  int64_t dim_;
+  float eps_;
+  Device device_;
+  Tensor gamma_, beta_, grad_gamma_, grad_beta_;
+};
+
+/// The four Linear layers of a block, in registration order.
+enum class LinearSlot : uint8_t { qkv = 0, proj = 1, fc1 = 2, fc2 = 3 };
+inline constexpr int kBlockLinears = 4;
+
+/// Called during a training forward (ForwardMode::normal, not recompute or inference) with the
+/// input of each Linear of a block and the Saved that Linear just filled (e.g. to measure FP8
+/// quantization statistics).
+using LinearObserver =
+    std::function<void(LinearSlot slot, const Tensor& input, const Linear::Saved& saved)>;
+
+/// Sizes and flavour of a block.
+struct BlockConfig {
+  NormKind norm = NormKind::layernorm;
+  int64_t dim = 0;
+  int64_t heads = 0;
+  int64_t ffn = 0;  ///< MLP hidden width (per branch for SwiGLU)
+  ops::Activation activation = ops::Activation::gelu;
+  bool bias = true;   ///< biases on the four Linear layers
+  bool rope = false;  ///< rotary position embeddings on q and k
+  float rope_theta = 10000.0f;
+  float norm_eps = 1e-5f;
+};
+
+/// Causal multi-head self-attention: qkv = Linear(dim, 3 dim), optional RoPE on q and k,
+/// attention, proj = Linear(dim, dim).
+class Attention {
+ public:
+  struct Saved {
+    ops::AttentionShape shape;
+    Linear::Saved qkv;
+    Tensor qkv_act;  ///< [rows, 3 dim], after RoPE: the attention's input
+    Tensor out;      ///< [rows, dim]: the attention's output (proj's input)
+    Tensor lse;      ///< f32 [batch, heads, seq]
+    Linear::Saved proj;
+  };
+
+  Attention(const BlockConfig& config, const Device& device, uint64_t seed, DType compute_dtype);
+
+  /// y [batch*seq, dim] from x [batch*seq, dim]. For ForwardMode::recompute, saved.qkv and
+  /// saved.proj must hold the snapshots of the original forward (Linear::Saved::from_snapshot).
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
+                 ForwardMode mode = ForwardMode::normal, const LinearObserver* observer = nullptr);
+  /// dx from dy; accumulates the Linear gradients.
+  Tensor backward(const Tensor& dy, const Saved& saved);
+
+  Linear& qkv() { return qkv_; }
+  Linear& proj() { return proj_; }
+  const Linear& qkv() const { return qkv_; }
+  const Linear& proj() const { return proj_; }
+
+ private:
+  int64_t heads_;
+  int64_t head_dim_;
+  bool rope_;
+  float rope_theta_;
+  Linear qkv_;
+  Linear proj_;
+};
+
+/// MLP: fc1 = Linear(dim, ffn) then GELU (or Linear(dim, 2 ffn) then SwiGLU), fc2 = Linear(ffn,
+/// dim).
+class MLP {
+ public:
+  struct Saved {
+    Linear::Saved fc1;
+    Tensor hidden;  ///< fc1's output: the activation's input
+    Linear::Saved fc2;
+  };
+
+  MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType compute_dtype);
+
+  /// y [rows, dim] from x [rows, dim]; recompute as Attention::forward.
+  Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal,
+                 const LinearObserver* observer = nullptr);
+  Tensor backward(const Tensor& dy, const Saved& saved);
+
+  Linear& fc1() { return fc1_; }
+  Linear& fc2() { return fc2_; }
+  const Linear& fc1() const { return fc1_; }
+  const Linear& fc2() const { return fc2_; }
+
+ private:
+  ops::Activation activation_;
+  Linear fc1_;
+  Linear fc2_;
+};
+
+/// Pre-norm block: x = x + attn(norm1(x)); x = x + mlp(norm2(x)).
+///
+/// With recompute, forward keeps only the block's input and each Linear's Snapshot (the scales
+/// and weight cast in use); backward first rebuilds the full record with ForwardMode::recompute,
+/// which touches no FP8 state and reproduces the same bytes, so the gradients are bitwise those
+/// of a run without recompute (DESIGN.md rule 1).
+class TransformerBlock {
+ public:
+  struct Saved {
+    Tensor input;  ///< [batch*seq, dim], always kept
+    int64_t batch = 0;
+    int64_t seq = 0;
+    /// The full record: filled by a forward without recompute, or rebuilt by backward.
+    bool complete = false;
+    Norm::Saved norm1;
+    Attention::Saved attn;
+    Tensor residual;  ///< input + attention output: norm2's input
+    Norm::Saved norm2;
+    MLP::Saved mlp;
+    /// With recompute: each Linear's Snapshot, in LinearSlot order.
+    std::array<Linear::Snapshot, kBlockLinears> snapshots;
+  };
+
+  TransformerBlock(const BlockConfig& config, const Device& device, uint64_t seed,
+                   DType compute_dtype, bool recompute);
+
+  /// y [batch*seq, dim] (x's dtype) from x [batch*seq, dim] f32|bf16. ForwardMode::inference
+  /// leaves `saved` empty (no backward follows). `observer` sees each Linear's input.
+  Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
+                 ForwardMode mode = ForwardMode::normal, const LinearObserver* observer = nullptr);
+  /// dx from dy; recomputes the forward first when the record is not complete. Accumulates every
+  /// parameter gradient and releases the record.
+  Tensor backward(const Tensor& dy, Saved& saved);
+
+  void zero_grad();
+  void on_weights_updated();
+
+  bool recompute() const { return recompute_; }
+  const BlockConfig& config() const { return config_; }
+  Norm& norm1() { return norm1_; }
+  Norm& norm2() { return norm2_; }
+  Attention& attn() { return attn_; }
+  MLP& mlp() { return mlp_; }
+  Linear& linear(LinearSlot slot);
+  const Linear& linear(LinearSlot slot) const;
+
+ private:
+  /// The full forward into `saved` (snapshots already in place for recompute).
+  Tensor forward_full(const Tensor& x, Saved& saved, ForwardMode mode,
+                      const LinearObserver* observer);
+
+  BlockConfig config_;
+  bool recompute_;
+  Norm norm1_;
+  Attention attn_;
+  Norm norm2_;
+  MLP mlp_;
+};
+
+}  // namespace octet::nn

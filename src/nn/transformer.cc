@@ -1,0 +1,268 @@
+#include "octet/nn/transformer.h"
+
+#include <utility>
+
+#include "octet/ops/norm.h"
+
+namespace octet::nn {
+namespace {
+
+/// Seeds of the Linear layers of a block, derived from the block's seed (distinct per layer).
+constexpr uint64_t kSeedStride = 0x9E3779B97F4A7C15ull;  // 2^64 / golden ratio (splitmix64)
+uint64_t layer_seed(uint64_t seed, LinearSlot slot) {
+  return seed + kSeedStride * (static_cast<uint64_t>(slot) + 1);
+}
+
+Tensor empty_like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.device()); }
+
+/// Calls the observer, when there is one, for a normal (training) forward.
+void observe(const LinearObserver* observer, ForwardMode mode, LinearSlot slot, const Tensor& x,
+             const Linear::Saved& saved) {
+  if (observer != nullptr && *observer && mode == ForwardMode::normal) (*observer)(slot, x, saved);
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// Norm
+
+Norm::Norm(NormKind kind, int64_t dim, float eps, const Device& device)
+    : kind_(kind), dim_(dim), eps_(eps), device_(device) {
+  OCTET_CHECK(dim > 0, "Norm needs a positive dim, got ", dim);
+  check_device_available(device);
+  gamma_ =
+      Tensor::from_vector(std::vector<float>(static_cast<size_t>(dim), 1.0f), {dim}).to(device);
+  grad_gamma_ = Tensor::zeros({dim}, DType::f32, device);
+  if (kind == NormKind::layernorm) {
+    beta_ = Tensor::zeros({dim}, DType::f32, device);
+    grad_beta_ = Tensor::zeros({dim}, DType::f32, device);
+  }
+}
+
+Tensor Norm::forward(const Tensor& x, Saved& saved) const {
+  OCTET_CHECK(x.defined() && x.ndim() >= 1 && x.size(-1) == dim_, "Norm(dim=", dim_,
+              ") expects an input [..., ", dim_, "], got ", x.defined() ? x.describe() : "none");
+  const Tensor x2 = x.view({-1, dim_});
+  Saved out;
+  out.input = x2;
+  out.rstd = Tensor::empty({x2.rows()}, DType::f32, device_);
+  Tensor y = empty_like(x);
+  const Tensor y2 = y.view({-1, dim_});
+  if (kind_ == NormKind::layernorm) {
+    out.mean = Tensor::empty({x2.rows()}, DType::f32, device_);
+    ops::layernorm_forward(x2, gamma_, beta_, eps_, y2, out.mean, out.rstd);
+  } else {
+    ops::rmsnorm_forward(x2, gamma_, eps_, y2, out.rstd);
+  }
+  saved = std::move(out);
+  return y;
+}
+
+Tensor Norm::backward(const Tensor& dy, const Saved& saved) {
+  OCTET_CHECK(saved.input.defined(),
+              "Norm::backward needs the Saved of a forward, got an empty one");
+  OCTET_CHECK(dy.defined() && dy.numel() == saved.input.numel() && dy.size(-1) == dim_,
+              "Norm::backward expects dy shaped like the input ", saved.input.describe(), ", got ",
+              dy.defined() ? dy.describe() : "none");
+  const Tensor dy2 = dy.view({-1, dim_});
+  Tensor dx = empty_like(dy);
+  const Tensor dx2 = dx.view({-1, dim_});
+  if (kind_ == NormKind::layernorm) {
+    ops::layernorm_backward(dy2, saved.input, gamma_, saved.mean, saved.rstd, dx2, grad_gamma_,
+                            grad_beta_);
+  } else {
+    ops::rmsnorm_backward(dy2, saved.input, gamma_, saved.rstd, dx2, grad_gamma_);
+  }
+  return dx;
+}
+
+void Norm::zero_grad() {
+  grad_gamma_.zero();
+  if (grad_beta_.defined()) grad_beta_.zero();
+}
+
+// ----------------------------------------------------------------------------
+// Attention
+
+Attention::Attention(const BlockConfig& config, const Device& device, uint64_t seed,
+                     DType compute_dtype)
+    : heads_(config.heads),
+      head_dim_(config.heads > 0 ? config.dim / config.heads : 0),
+      rope_(config.rope),
+      rope_theta_(config.rope_theta),
+      qkv_(config.dim, 3 * config.dim, config.bias, device, layer_seed(seed, LinearSlot::qkv),
+           compute_dtype),
+      proj_(config.dim, config.dim, config.bias, device, layer_seed(seed, LinearSlot::proj),
+            compute_dtype) {
+  OCTET_CHECK(config.heads > 0 && config.dim % config.heads == 0, "Attention: heads (",
+              config.heads, ") must be positive and divide dim (", config.dim, ")");
+}
+
+Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
+                          ForwardMode mode, const LinearObserver* observer) {
+  OCTET_CHECK(x.defined() && x.ndim() == 2 && x.size(0) == batch * seq,
+              "Attention expects x [batch*seq, dim] = [", batch * seq, ", ", heads_ * head_dim_,
+              "], got ", x.defined() ? x.describe() : "none");
+  saved.shape = {.batch = batch, .seq = seq, .heads = heads_, .head_dim = head_dim_};
+  saved.qkv_act = qkv_.forward(x, saved.qkv, mode);
+  observe(observer, mode, LinearSlot::qkv, x, saved.qkv);
+  // Rotating in place is safe: the FP8 Saved of qkv holds its input, not its output.
+  if (rope_) ops::rope(saved.qkv_act, saved.shape, rope_theta_, /*inverse=*/false);
+  saved.out = Tensor::empty({batch * seq, heads_ * head_dim_}, x.dtype(), x.device());
+  saved.lse = Tensor::empty({batch, heads_, seq}, DType::f32, x.device());
+  ops::attention_forward(saved.qkv_act, saved.shape, saved.out, saved.lse);
+  Tensor y = proj_.forward(saved.out, saved.proj, mode);
+  observe(observer, mode, LinearSlot::proj, saved.out, saved.proj);
+  return y;
+}
+
+Tensor Attention::backward(const Tensor& dy, const Saved& saved) {
+  OCTET_CHECK(saved.lse.defined(), "Attention::backward needs the Saved of a forward");
+  const Tensor dout = proj_.backward(dy, saved.proj);
+  Tensor dqkv = empty_like(saved.qkv_act);
+  ops::attention_backward(dout, saved.qkv_act, saved.out, saved.lse, saved.shape, dqkv);
+  // RoPE is a rotation: its backward is the opposite rotation of the gradient.
+  if (rope_) ops::rope(dqkv, saved.shape, rope_theta_, /*inverse=*/true);
+  return qkv_.backward(dqkv, saved.qkv);
+}
+
+// ----------------------------------------------------------------------------
+// MLP
+
+MLP::MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType compute_dtype)
+    : activation_(config.activation),
+      fc1_(config.dim, ops::activation_input_cols(config.activation, config.ffn), config.bias,
+           device, layer_seed(seed, LinearSlot::fc1), compute_dtype),
+      fc2_(config.ffn, config.dim, config.bias, device, layer_seed(seed, LinearSlot::fc2),
+           compute_dtype) {}
+
+Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
+                    const LinearObserver* observer) {
+  saved.hidden = fc1_.forward(x, saved.fc1, mode);
+  observe(observer, mode, LinearSlot::fc1, x, saved.fc1);
+  Shape act_shape = saved.hidden.shape();
+  act_shape.back() = fc2_.in_features();
+  Tensor act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
+  ops::activation_forward(activation_, saved.hidden, act);
+  Tensor y = fc2_.forward(act, saved.fc2, mode);
+  observe(observer, mode, LinearSlot::fc2, act, saved.fc2);
+  return y;
+}
+
+Tensor MLP::backward(const Tensor& dy, const Saved& saved) {
+  OCTET_CHECK(saved.hidden.defined(), "MLP::backward needs the Saved of a forward");
+  const Tensor dact = fc2_.backward(dy, saved.fc2);
+  Tensor dhidden = empty_like(saved.hidden);
+  ops::activation_backward(activation_, dact, saved.hidden, dhidden);
+  return fc1_.backward(dhidden, saved.fc1);
+}
+
+// ----------------------------------------------------------------------------
+// TransformerBlock
+
+TransformerBlock::TransformerBlock(const BlockConfig& config, const Device& device, uint64_t seed,
+                                   DType compute_dtype, bool recompute)
+    : config_(config),
+      recompute_(recompute),
+      norm1_(config.norm, config.dim, config.norm_eps, device),
+      attn_(config, device, seed, compute_dtype),
+      norm2_(config.norm, config.dim, config.norm_eps, device),
+      mlp_(config, device, seed, compute_dtype) {}
+
+Linear& TransformerBlock::linear(LinearSlot slot) {
+  return const_cast<Linear&>(std::as_const(*this).linear(slot));
+}
+
+const Linear& TransformerBlock::linear(LinearSlot slot) const {
+  switch (slot) {
+    case LinearSlot::qkv:
+      return attn_.qkv();
+    case LinearSlot::proj:
+      return attn_.proj();
+    case LinearSlot::fc1:
+      return mlp_.fc1();
+    case LinearSlot::fc2:
+      return mlp_.fc2();
+  }
+  OCTET_ERROR("TransformerBlock::linear: unknown slot ", static_cast<int>(slot));
+}
+
+Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode mode,
+                                      const LinearObserver* observer) {
+  const Tensor h1 = norm1_.forward(x, saved.norm1);
+  const Tensor a = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer);
+  saved.residual = empty_like(x);
+  ops::add(x, a, saved.residual);
+  const Tensor h2 = norm2_.forward(saved.residual, saved.norm2);
+  const Tensor m = mlp_.forward(h2, saved.mlp, mode, observer);
+  Tensor y = empty_like(x);
+  ops::add(saved.residual, m, y);
+  saved.complete = true;
+  return y;
+}
+
+Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
+                                 ForwardMode mode, const LinearObserver* observer) {
+  OCTET_CHECK(mode != ForwardMode::recompute,
+              "TransformerBlock::forward: recompute happens inside backward; call forward with "
+              "normal or inference");
+  OCTET_CHECK(x.defined() && x.ndim() == 2 && x.size(0) == batch * seq && x.size(1) == config_.dim,
+              "TransformerBlock expects x [batch*seq, dim] = [", batch * seq, ", ", config_.dim,
+              "], got ", x.defined() ? x.describe() : "none");
+  Saved full;
+  full.input = x;
+  full.batch = batch;
+  full.seq = seq;
+  Tensor y = forward_full(x, full, mode, observer);
+  if (mode == ForwardMode::inference) {
+    saved = Saved();
+  } else if (recompute_) {  // keep the input and what the Linear layers need to redo their part
+    Saved kept;
+    kept.input = x;
+    kept.batch = batch;
+    kept.seq = seq;
+    kept.snapshots = {full.attn.qkv.snapshot, full.attn.proj.snapshot, full.mlp.fc1.snapshot,
+                      full.mlp.fc2.snapshot};
+    saved = std::move(kept);
+  } else {
+    saved = std::move(full);
+  }
+  return y;
+}
+
+Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
+  OCTET_CHECK(saved.input.defined(),
+              "TransformerBlock::backward needs the Saved of a training forward, got an empty one");
+  if (!saved.complete) {
+    saved.attn.qkv = Linear::Saved::from_snapshot(std::move(saved.snapshots[0]));
+    saved.attn.proj = Linear::Saved::from_snapshot(std::move(saved.snapshots[1]));
+    saved.mlp.fc1 = Linear::Saved::from_snapshot(std::move(saved.snapshots[2]));
+    saved.mlp.fc2 = Linear::Saved::from_snapshot(std::move(saved.snapshots[3]));
+    forward_full(saved.input, saved, ForwardMode::recompute, nullptr);
+  }
+  OCTET_CHECK(
+      dy.defined() && dy.shape() == saved.input.shape() && dy.dtype() == saved.input.dtype(),
+      "TransformerBlock::backward expects dy like its input ", saved.input.describe(), ", got ",
+      dy.defined() ? dy.describe() : "none");
+  // y = r + mlp(norm2(r)), r = x + attn(norm1(x)): the residual paths add dy through.
+  const Tensor dh2 = mlp_.backward(dy, saved.mlp);
+  Tensor dr = norm2_.backward(dh2, saved.norm2);
+  ops::add(dr, dy, dr);
+  const Tensor dh1 = attn_.backward(dr, saved.attn);
+  Tensor dx = norm1_.backward(dh1, saved.norm1);
+  ops::add(dx, dr, dx);
+  saved = Saved();
+  return dx;
+}
+
+void TransformerBlock::zero_grad() {
+  norm1_.zero_grad();
+  norm2_.zero_grad();
+  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).zero_grad();
+}
+
+void TransformerBlock::on_weights_updated() {
+  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).on_weights_updated();
+}
+
+}  // namespace octet::nn

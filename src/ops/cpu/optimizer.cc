@@ -1,0 +1,60 @@
+// CPU reference of the optimizer family. global_norm_squared follows the fixed order of
+// optimizer_backend.h and adamw_step runs optimizer_math.h's scalar step, so the CUDA backend
+// reproduces both bit for bit.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "ops/fixed_order_reduce.h"
+#include "ops/optimizer_backend.h"
+
+namespace octet::ops::cpu {
+namespace {
+
+/// Below this many elements of work a loop runs on one thread: waking an OpenMP team costs more
+/// (tens of microseconds, far more on a loaded machine) than the loop.
+constexpr int64_t kParallelMinElements = int64_t{1} << 16;
+
+}  // namespace
+
+void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) {
+  // All chunks of all tensors in one parallel loop (one OpenMP region per call, not per tensor).
+  std::vector<int64_t> first_chunk(count + 1, 0);
+  for (int i = 0; i < count; ++i)
+    first_chunk[i + 1] = first_chunk[i] + (grads[i].numel() + kNormChunk - 1) / kNormChunk;
+  const int64_t chunks = first_chunk[count];
+  std::vector<double> partials(static_cast<size_t>(chunks));
+#pragma omp parallel for schedule(static) if (chunks * kNormChunk >= kParallelMinElements)
+  for (int64_t global = 0; global < chunks; ++global) {
+    const int i = static_cast<int>(
+        std::upper_bound(first_chunk.begin(), first_chunk.end(), global) - first_chunk.begin() - 1);
+    const int64_t begin = (global - first_chunk[i]) * kNormChunk;
+    const float* x = grads[i].data<float>() + begin;
+    partials[global] = fixed_order_reduce<kNormLanes, double>(
+        std::min(kNormChunk, grads[i].numel() - begin), SumOp{}, [x](int64_t j) {
+          const double value = x[j];
+          return value * value;
+        });
+  }
+  double total = 0.0;
+  for (int i = 0; i < count; ++i) {
+    const double* own = partials.data() + first_chunk[i];
+    total += fixed_order_reduce<kNormLanes, double>(first_chunk[i + 1] - first_chunk[i], SumOp{},
+                                                    [own](int64_t j) { return own[j]; });
+  }
+  norm_sq.data<float>()[0] = static_cast<float>(total);
+}
+
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const Tensor& norm_sq, const AdamWCoefficients& coefficients) {
+  float* p = param.data<float>();
+  const float* g = grad.data<float>();
+  float* ms = m.data<float>();
+  float* vs = v.data<float>();
+  const float clip = adamw_clip_factor(norm_sq.data<float>()[0], coefficients.max_grad_norm);
+  const int64_t n = param.numel();
+#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
+  for (int64_t i = 0; i < n; ++i) adamw_update(p[i], g[i], ms[i], vs[i], coefficients, clip);
+}
+
+}  // namespace octet::ops::cpu

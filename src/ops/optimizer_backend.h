@@ -1,0 +1,37 @@
+// Backend entry points of the optimizer family (include/octet/ops/optimizer.h); see
+// quantize_backend.h for the contract between dispatcher and backends.
+#pragma once
+
+#include <cstdint>
+
+#include "octet/ops/optimizer.h"
+#include "ops/optimizer_math.h"
+
+namespace octet::ops {
+
+// The fixed order of global_norm_squared, shared by both backends (they agree bit for bit):
+//   1. each tensor is cut into chunks of kNormChunk elements; a chunk's partial is the
+//      fixed_order_reduce (fixed_order_reduce.h) over kNormLanes lanes of double(g) * double(g);
+//   2. a tensor's sum is the fixed_order_reduce over kNormLanes lanes of its chunk partials;
+//   3. the total starts at +0 and adds the tensor sums in the given order; norm_sq = float(total).
+// Accumulation is in double: a float squared is exact in double, and 1e9 terms summed in double
+// lose far less than one f32 ulp, so the only visible rounding is the final one to f32.
+/// Threads per CTA of the norm kernels and lanes of the reduction order.
+inline constexpr int kNormLanes = 256;
+/// Elements per chunk (one CTA of the first pass): 16 per lane, enough bytes in flight per CTA to
+/// stream at bandwidth without making the partial array large.
+inline constexpr int64_t kNormChunk = 16 * kNormLanes;
+
+}  // namespace octet::ops
+
+namespace octet::ops::cpu {
+void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq);
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const Tensor& norm_sq, const AdamWCoefficients& coefficients);
+}  // namespace octet::ops::cpu
+
+namespace octet::ops::cuda {
+void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq);
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                const Tensor& norm_sq, const AdamWCoefficients& coefficients);
+}  // namespace octet::ops::cuda

@@ -1,0 +1,555 @@
+#include "octet/train/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <numbers>
+#include <utility>
+
+#include "octet/fp8/format.h"
+#include "octet/nn/autocast.h"
+#include "octet/nn/linear.h"
+#include "octet/nn/transformer.h"
+#include "octet/ops/embedding.h"
+#include "octet/ops/gemm.h"
+#include "octet/ops/quantize.h"
+
+namespace octet::train {
+namespace {
+
+using nn::LinearSlot;
+
+/// GPT-2's initialization: weights N(0, 0.02); the residual projections (attn.proj, mlp.fc2)
+/// N(0, 0.02 / sqrt(2 * layers)) so the residual stream's variance does not grow with depth
+/// (GPT-2 paper, section 2.3; llm.c). Used for both architectures.
+constexpr float kInitStd = 0.02f;
+
+/// splitmix64's increment and finalizer (Steele, Lea and Flood, "Fast splittable pseudorandom
+/// number generators", 2014): a counter-based generator, so every element's draw depends only
+/// on (seed, parameter name, index), never on the device or the thread that computes it.
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+/// FNV-1a, 64-bit (offset basis and prime from the FNV specification).
+uint64_t fnv1a(std::string_view text) {
+  uint64_t h = 0xCBF29CE484222325ull;
+  for (char c : text) {
+    h ^= static_cast<uint8_t>(c);
+    h *= 0x100000001B3ull;
+  }
+  return h;
+}
+
+/// Mantissa bits of a double: a draw keeps that many bits for a uniform in (0, 1].
+constexpr int kDoubleMantissaBits = 53;
+
+/// Uniform in (0, 1] from the counter `n` of the stream `key` (never 0, so log() is finite).
+double uniform_open0(uint64_t key, uint64_t n) {
+  const uint64_t bits = mix64(key + kGolden * (n + 1)) >> (64 - kDoubleMantissaBits);
+  return std::ldexp(static_cast<double>(bits + 1), -kDoubleMantissaBits);
+}
+
+/// `count` draws of N(0, std) for the stream `key` (Box-Muller on consecutive counter pairs).
+std::vector<float> normal_values(uint64_t key, int64_t count, float std) {
+  std::vector<float> values(static_cast<size_t>(count));
+  const int64_t pairs = (count + 1) / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const double radius = std::sqrt(-2.0 * std::log(uniform_open0(key, 2 * p)));
+    const double angle = 2.0 * std::numbers::pi * uniform_open0(key, 2 * p + 1);
+    values[2 * p] = static_cast<float>(std * radius * std::cos(angle));
+    if (2 * p + 1 < count) values[2 * p + 1] = static_cast<float>(std * radius * std::sin(angle));
+  }
+  return values;
+}
+
+enum class Init : uint8_t { normal, residual, zeros, ones };
+
+/// One trainable tensor with its name, weight decay and initialization.
+struct Entry {
+  std::string name;
+  Tensor value;
+  Tensor grad;
+  bool weight_decay;
+  Init init;
+};
+
+constexpr const char* kSlotNames[nn::kBlockLinears] = {"attn.qkv", "attn.proj", "mlp.fc1",
+                                                       "mlp.fc2"};
+
+std::string module_name(size_t layer, LinearSlot slot) {
+  return "blocks." + std::to_string(layer) + "." + kSlotNames[static_cast<int>(slot)];
+}
+
+/// t on `device` (t itself when it is there already).
+Tensor on_device(const Tensor& t, const Device& device) {
+  return t.device() == device ? t : t.to(device);
+}
+
+/// Checks an i32 [rows] id/target tensor and returns it on `device` as [rows].
+Tensor token_tensor(const Tensor& t, int64_t rows, const Device& device, const char* what) {
+  OCTET_CHECK(t.defined(), "GPT: ", what, " is an undefined tensor");
+  OCTET_CHECK(t.dtype() == DType::i32 && t.numel() == rows, "GPT: ", what,
+              " must be i32 with batch*seq = ", rows, " elements, got ", t.describe());
+  return on_device(t, device).view({rows});
+}
+
+/// Targets that count towards the loss (a negative target is ignored), counted on the host.
+int64_t counted_targets(const Tensor& targets) {
+  const Tensor host = targets.to(Device::cpu());
+  const int32_t* t = host.data<int32_t>();
+  return std::count_if(t, t + host.numel(), [](int32_t v) { return v >= 0; });
+}
+
+/// The mean of the per-row losses (f32, any device; ignored rows hold 0) over the counted
+/// targets, summed on the host in row order in float64. 0 when no target counts (such a
+/// microbatch also contributes no gradient).
+float mean_loss(const Tensor& losses, int64_t counted) {
+  if (counted == 0) return 0.0f;
+  double total = 0;
+  for (float v : host_values_f32(losses)) total += v;
+  return static_cast<float>(total / static_cast<double>(counted));
+}
+
+/// The host values of an f32|bf16 tensor (any device) as floats.
+std::vector<float> host_floats(const Tensor& t) {
+  if (t.dtype() == DType::f32) return host_values_f32(t);
+  Tensor f32 = Tensor::empty(t.shape(), DType::f32, t.device());
+  ops::cast(t, f32);
+  return host_values_f32(f32);
+}
+
+/// The bytes of a tensor (any device), copied to the host.
+std::vector<uint8_t> host_bytes(const Tensor& t) {
+  const Tensor host = t.to(Device::cpu());
+  std::vector<uint8_t> bytes(host.nbytes());
+  std::memcpy(bytes.data(), host.raw_data(), bytes.size());
+  return bytes;
+}
+
+/// Quantization health of one FP8 Linear's input from host copies of the input and its FP8
+/// codes. Block recipes quantize the row-wise copy in the input's own layout, so code i belongs
+/// to element i for every recipe.
+///
+/// Cost: the input (rows x in_features) crosses to the host as f32 and its codes as bytes, 5 bytes
+/// per element, and the host scans them. For gpt2-124m at 8 x 1024 tokens that is ~220 MB per
+/// layer, ~2.6 GB per microbatch, on every microbatch while collection is on: collect every N
+/// steps, not every step.
+Fp8InputStats measure_input(const std::string& name, const Tensor& input,
+                            const nn::Linear::Saved& saved) {
+  Fp8InputStats stats;
+  stats.name = name;
+  const fp8::QuantizedTensor& q = saved.input_q;
+  const std::vector<float> x = host_floats(input);
+  const std::vector<uint8_t> codes = host_bytes(q.data);
+  OCTET_CHECK(codes.size() == x.size(), "GPT statistics: ", name, " has ", x.size(), " inputs but ",
+              codes.size(), " FP8 codes");
+  constexpr uint8_t kMagnitude = 0x7F;  // every FP8 code but the sign bit
+  const uint8_t max_code = fp8::encode_fp8(fp8::fp8_max(q.dtype), q.dtype);
+  const int64_t n = static_cast<int64_t>(x.size());
+  int64_t saturated = 0, underflow = 0, nonzero = 0;
+  float amax = 0;
+  // Max and integer counts do not depend on the order of the reduction: deterministic.
+#pragma omp parallel for reduction(max : amax) reduction(+ : saturated, underflow, nonzero)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t magnitude = codes[static_cast<size_t>(i)] & kMagnitude;
+    const float v = x[static_cast<size_t>(i)];
+    amax = std::max(amax, std::fabs(v));
+    saturated += magnitude == max_code;
+    if (v != 0.0f) {
+      ++nonzero;
+      underflow += magnitude == 0;
+    }
+  }
+  stats.amax = amax;
+  if (saved.snapshot.scales.defined()) stats.scale = item_f32(saved.snapshot.scales.slice(0, 1));
+  stats.saturated_fraction =
+      x.empty() ? 0.0 : static_cast<double>(saturated) / static_cast<double>(x.size());
+  stats.underflow_fraction =
+      nonzero == 0 ? 0.0 : static_cast<double>(underflow) / static_cast<double>(nonzero);
+  return stats;
+}
+
+/// The config, after validate() (which throws naming the offending fields).
+ModelConfig validated(const ModelConfig& config) {
+  config.validate();
+  return config;
+}
+
+/// The precision, after validating its recipe (fp8 only).
+Precision validated(const Precision& precision) {
+  if (precision.kind == Precision::Kind::fp8) precision.recipe.validate();
+  return precision;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------
+// Precision
+
+Precision Precision::from_name(std::string_view name) {
+  Precision p;
+  if (name == "fp32") {
+    p.kind = Kind::fp32;
+  } else if (name == "bf16") {
+    p.kind = Kind::bf16;
+  } else {
+    OCTET_CHECK(name.starts_with("fp8-"), "unknown precision '", name,
+                "'; expected fp8-delayed, fp8-current, fp8-block, fp8-mxfp8, bf16 or fp32");
+    p.kind = Kind::fp8;
+    p.recipe = fp8::recipe_from_name(name);
+  }
+  return p;
+}
+
+std::string Precision::name() const {
+  switch (kind) {
+    case Kind::fp32:
+      return "fp32";
+    case Kind::bf16:
+      return "bf16";
+    case Kind::fp8:
+      return recipe.name();
+  }
+  return "unknown";
+}
+
+DType Precision::activation_dtype() const { return kind == Kind::fp32 ? DType::f32 : DType::bf16; }
+
+// ----------------------------------------------------------------------------
+// GPT
+
+struct GPT::Impl {
+  ModelConfig config;
+  Precision precision;
+  Device device;
+  DType act;
+  bool fp8;
+  Tensor wte, grad_wte;
+  Tensor wpe, grad_wpe;          ///< gpt2 only
+  Tensor lm_head, grad_lm_head;  ///< llama only (gpt2 ties the head to wte)
+  std::vector<nn::TransformerBlock> blocks;
+  nn::Norm final_norm;
+  nn::AmaxRegistry registry;
+  Tensor head_cast;  ///< the head weight in the activation dtype, cast once per optimizer step
+  bool collect_stats = false;
+  std::vector<Fp8InputStats> stats;
+
+  Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute);
+
+  std::vector<Entry> entries();
+  void initialize(uint64_t seed);
+  const Tensor& head_weight() const { return config.tied_embeddings() ? wte : lm_head; }
+  const Tensor& head_grad() const { return config.tied_embeddings() ? grad_wte : grad_lm_head; }
+  /// The head weight in the activation dtype (the FP32 master itself for fp32).
+  const Tensor& head_compute_weight();
+
+  void check_batch(int64_t batch, int64_t seq) const;
+  /// Runs `forward` inside an Fp8Autocast on `registry` under fp8 precision (its end finalizes
+  /// the forward pass once), plainly otherwise.
+  void with_autocast(nn::AmaxRegistry& reg, const std::function<void()>& forward);
+  /// Token (+ position) embeddings, then every block: the residual stream [batch*seq, dim].
+  Tensor trunk(const Tensor& ids, int64_t batch, int64_t seq, nn::ForwardMode mode,
+               std::vector<nn::TransformerBlock::Saved>& saved);
+  /// logits [rows, vocab] = x @ W^T in the activation dtype (a dense GEMM, as Transformer Engine
+  /// keeps the LM head out of FP8).
+  Tensor head_forward(const Tensor& x);
+  /// dx of the head from dlogits; accumulates the head weight's gradient.
+  Tensor head_backward(const Tensor& dlogits, const Tensor& x);
+  /// Observers that record Fp8InputStats for each block's Linear layers into `stats`.
+  std::vector<nn::LinearObserver> stats_observers();
+};
+
+GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed,
+                bool recompute)
+    : config(validated(c)),
+      precision(validated(p)),
+      device(d),
+      act(p.activation_dtype()),
+      fp8(p.kind == Precision::Kind::fp8),
+      final_norm(c.arch == Arch::gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm, c.dim,
+                 c.norm_eps, d) {
+  const bool gpt2 = config.arch == Arch::gpt2;
+  wte = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
+  grad_wte = Tensor::zeros({config.vocab, config.dim}, DType::f32, device);
+  if (gpt2) {
+    wpe = Tensor::empty({config.max_seq, config.dim}, DType::f32, device);
+    grad_wpe = Tensor::zeros({config.max_seq, config.dim}, DType::f32, device);
+  } else {
+    lm_head = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
+    grad_lm_head = Tensor::zeros({config.vocab, config.dim}, DType::f32, device);
+  }
+  const nn::BlockConfig block{
+      .norm = gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm,
+      .dim = config.dim,
+      .heads = config.heads,
+      .ffn = config.ffn,
+      .activation = gpt2 ? ops::Activation::gelu : ops::Activation::swiglu,
+      .bias = gpt2,
+      .rope = !gpt2,
+      .rope_theta = config.rope_theta,
+      .norm_eps = config.norm_eps,
+  };
+  // Linear's compute dtype outside FP8 autocast is the activation dtype. The layers' own
+  // (uniform) initialization is replaced by initialize() below.
+  blocks.reserve(static_cast<size_t>(config.layers));
+  for (int64_t l = 0; l < config.layers; ++l)
+    blocks.emplace_back(block, device, mix64(seed + kGolden * (l + 1)), act, recompute);
+  initialize(seed);
+  if (fp8) {  // every state exists and is registered before the first step (checkpoint restore)
+    for (size_t l = 0; l < blocks.size(); ++l) {
+      for (int s = 0; s < nn::kBlockLinears; ++s) {
+        nn::Linear& linear = blocks[l].linear(static_cast<LinearSlot>(s));
+        linear.ensure_fp8_state(precision.recipe);
+        registry.register_state(linear.fp8_state());
+      }
+    }
+  }
+}
+
+std::vector<Entry> GPT::Impl::entries() {
+  std::vector<Entry> out;
+  out.push_back({"wte", wte, grad_wte, true, Init::normal});
+  if (wpe.defined()) out.push_back({"wpe", wpe, grad_wpe, false, Init::normal});
+  auto add_norm = [&](const std::string& prefix, nn::Norm& norm) {
+    out.push_back({prefix + ".gamma", norm.gamma(), norm.grad_gamma(), false, Init::ones});
+    if (norm.beta().defined())
+      out.push_back({prefix + ".beta", norm.beta(), norm.grad_beta(), false, Init::zeros});
+  };
+  auto add_linear = [&](const std::string& prefix, nn::Linear& linear, Init init) {
+    out.push_back({prefix + ".weight", linear.weight(), linear.grad_weight(), true, init});
+    if (linear.bias().defined())
+      out.push_back({prefix + ".bias", linear.bias(), linear.grad_bias(), false, Init::zeros});
+  };
+  for (size_t l = 0; l < blocks.size(); ++l) {
+    nn::TransformerBlock& b = blocks[l];
+    const std::string prefix = "blocks." + std::to_string(l) + ".";
+    add_norm(prefix + "norm1", b.norm1());
+    add_linear(module_name(l, LinearSlot::qkv), b.attn().qkv(), Init::normal);
+    add_linear(module_name(l, LinearSlot::proj), b.attn().proj(), Init::residual);
+    add_norm(prefix + "norm2", b.norm2());
+    add_linear(module_name(l, LinearSlot::fc1), b.mlp().fc1(), Init::normal);
+    add_linear(module_name(l, LinearSlot::fc2), b.mlp().fc2(), Init::residual);
+  }
+  add_norm("final_norm", final_norm);
+  if (lm_head.defined()) out.push_back({"lm_head", lm_head, grad_lm_head, true, Init::normal});
+  return out;
+}
+
+void GPT::Impl::initialize(uint64_t seed) {
+  const float residual_std = kInitStd / std::sqrt(2.0f * static_cast<float>(config.layers));
+  for (Entry& e : entries()) {
+    const int64_t n = e.value.numel();
+    std::vector<float> values;
+    switch (e.init) {
+      case Init::normal:
+      case Init::residual:
+        values = normal_values(mix64(seed ^ fnv1a(e.name)), n,
+                               e.init == Init::normal ? kInitStd : residual_std);
+        break;
+      case Init::zeros:
+        values.assign(static_cast<size_t>(n), 0.0f);
+        break;
+      case Init::ones:
+        values.assign(static_cast<size_t>(n), 1.0f);
+        break;
+    }
+    e.value.copy_from(Tensor::from_vector(values, e.value.shape()));
+  }
+}
+
+const Tensor& GPT::Impl::head_compute_weight() {
+  if (act == DType::f32) return head_weight();
+  if (!head_cast.defined()) {
+    head_cast = Tensor::empty(head_weight().shape(), act, device);
+    ops::cast(head_weight(), head_cast);
+  }
+  return head_cast;
+}
+
+void GPT::Impl::check_batch(int64_t batch, int64_t seq) const {
+  OCTET_CHECK(batch >= 1 && seq >= 1 && seq <= config.max_seq, "GPT: expected batch >= 1 and ",
+              "1 <= seq <= max_seq (", config.max_seq, "), got batch ", batch, ", seq ", seq);
+}
+
+void GPT::Impl::with_autocast(nn::AmaxRegistry& reg, const std::function<void()>& forward) {
+  if (fp8) {
+    nn::Fp8Autocast scope(precision.recipe, reg);
+    forward();
+  } else {
+    forward();
+  }
+}
+
+Tensor GPT::Impl::trunk(const Tensor& ids, int64_t batch, int64_t seq, nn::ForwardMode mode,
+                        std::vector<nn::TransformerBlock::Saved>& saved) {
+  Tensor x = Tensor::empty({batch * seq, config.dim}, act, device);
+  ops::embedding_forward(ids, wte, wpe, seq, x);
+  std::vector<nn::LinearObserver> observers;
+  if (collect_stats && fp8 && mode == nn::ForwardMode::normal) observers = stats_observers();
+  saved.resize(blocks.size());
+  for (size_t l = 0; l < blocks.size(); ++l)
+    x = blocks[l].forward(x, batch, seq, saved[l], mode,
+                          observers.empty() ? nullptr : &observers[l]);
+  return x;
+}
+
+Tensor GPT::Impl::head_forward(const Tensor& x) {
+  Tensor logits = Tensor::empty({x.rows(), config.vocab}, act, device);
+  ops::gemm(ops::GemmOperand::dense(x), ops::GemmOperand::dense(head_compute_weight(), true),
+            logits);
+  return logits;
+}
+
+Tensor GPT::Impl::head_backward(const Tensor& dlogits, const Tensor& x) {
+  const Tensor& w = head_compute_weight();
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), device);
+  // dx [rows, dim] = dlogits [rows, vocab] W [vocab, dim].
+  ops::gemm(ops::GemmOperand::dense(dlogits), ops::GemmOperand::dense(w), dx);
+  // dW [vocab, dim] += dlogits^T x; for tied weights this adds to the embedding's gradient.
+  ops::GemmArgs accumulate;
+  accumulate.beta = 1.0f;
+  ops::gemm(ops::GemmOperand::dense(dlogits, true), ops::GemmOperand::dense(x), head_grad(),
+            accumulate);
+  return dx;
+}
+
+std::vector<nn::LinearObserver> GPT::Impl::stats_observers() {
+  stats.clear();
+  std::vector<nn::LinearObserver> observers;
+  for (size_t l = 0; l < blocks.size(); ++l) {
+    observers.emplace_back(
+        [this, l](LinearSlot slot, const Tensor& input, const nn::Linear::Saved& saved) {
+          if (saved.snapshot.fp8)
+            stats.push_back(measure_input(module_name(l, slot), input, saved));
+        });
+  }
+  return observers;
+}
+
+GPT::GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
+         bool recompute)
+    : impl_(std::make_unique<Impl>(config, precision, device, seed, recompute)) {}
+
+GPT::~GPT() = default;
+
+const ModelConfig& GPT::config() const { return impl_->config; }
+const Precision& GPT::precision() const { return impl_->precision; }
+const Device& GPT::device() const { return impl_->device; }
+
+float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq,
+                            float grad_scale) {
+  Impl& m = *impl_;
+  m.check_batch(batch, seq);
+  const int64_t rows = batch * seq;
+  const Tensor ids_d = token_tensor(ids, rows, m.device, "ids");
+  const Tensor targets_d = token_tensor(targets, rows, m.device, "targets");
+  const int64_t counted = counted_targets(targets);
+  const float scale = counted > 0 ? grad_scale / static_cast<float>(counted) : 0.0f;
+
+  std::vector<nn::TransformerBlock::Saved> saved;
+  nn::Norm::Saved norm_saved;
+  Tensor xf, dlogits;
+  const Tensor losses = Tensor::empty({rows}, DType::f32, m.device);
+  m.with_autocast(m.registry, [&] {
+    const Tensor x = m.trunk(ids_d, batch, seq, nn::ForwardMode::normal, saved);
+    xf = m.final_norm.forward(x, norm_saved);
+    const Tensor logits = m.head_forward(xf);
+    dlogits = Tensor::empty(logits.shape(), logits.dtype(), m.device);
+    ops::cross_entropy(logits, targets_d, losses, dlogits, scale);
+  });
+
+  Tensor dx = m.head_backward(dlogits, xf);
+  dlogits = Tensor();
+  dx = m.final_norm.backward(dx, norm_saved);
+  for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l]);
+  ops::embedding_backward(ids_d, dx, seq, m.grad_wte, m.grad_wpe);
+  if (m.fp8) m.registry.finalize_backward();
+  return mean_loss(losses, counted);
+}
+
+float GPT::evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq) {
+  Impl& m = *impl_;
+  m.check_batch(batch, seq);
+  const int64_t rows = batch * seq;
+  const Tensor ids_d = token_tensor(ids, rows, m.device, "ids");
+  const Tensor targets_d = token_tensor(targets, rows, m.device, "targets");
+  const Tensor losses = Tensor::empty({rows}, DType::f32, m.device);
+  // Inference forwards register and record nothing; the scope's finalize goes to a registry of
+  // its own, so the model's FP8 state and update counts stay exactly as they were.
+  nn::AmaxRegistry untouched;
+  m.with_autocast(untouched, [&] {
+    std::vector<nn::TransformerBlock::Saved> saved;
+    const Tensor x = m.trunk(ids_d, batch, seq, nn::ForwardMode::inference, saved);
+    nn::Norm::Saved norm_saved;
+    const Tensor logits = m.head_forward(m.final_norm.forward(x, norm_saved));
+    ops::cross_entropy(logits, targets_d, losses, Tensor(), 0.0f);
+  });
+  return mean_loss(losses, counted_targets(targets));
+}
+
+Tensor GPT::logits_at(const Tensor& ids, int64_t batch, int64_t seq, int64_t position) {
+  Impl& m = *impl_;
+  m.check_batch(batch, seq);
+  OCTET_CHECK(position >= 0 && position < seq,
+              "GPT::logits_at: position must be in [0, seq = ", seq, "), got ", position);
+  const Tensor ids_d = token_tensor(ids, batch * seq, m.device, "ids");
+  Tensor logits;
+  nn::AmaxRegistry untouched;
+  m.with_autocast(untouched, [&] {
+    std::vector<nn::TransformerBlock::Saved> saved;
+    const Tensor x = m.trunk(ids_d, batch, seq, nn::ForwardMode::inference, saved);
+    // Norm and head are per row: only the rows at `position` are needed.
+    Tensor rows = Tensor::empty({batch, m.config.dim}, m.act, m.device);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t r = b * seq + position;
+      rows.slice(b, b + 1).copy_from(x.slice(r, r + 1));
+    }
+    nn::Norm::Saved norm_saved;
+    logits = m.head_forward(m.final_norm.forward(rows, norm_saved));
+  });
+  Tensor out = Tensor::empty(logits.shape(), DType::f32, m.device);
+  ops::cast(logits, out);
+  return out.to(Device::cpu());
+}
+
+std::vector<Parameter> GPT::parameters() {
+  std::vector<Parameter> out;
+  for (Entry& e : impl_->entries())
+    out.push_back({std::move(e.name), std::move(e.value), std::move(e.grad), e.weight_decay});
+  return out;
+}
+
+std::vector<Fp8Module> GPT::fp8_modules() const {
+  std::vector<Fp8Module> out;
+  if (!impl_->fp8) return out;
+  for (size_t l = 0; l < impl_->blocks.size(); ++l) {
+    for (int s = 0; s < nn::kBlockLinears; ++s) {
+      const nn::Linear& linear = impl_->blocks[l].linear(static_cast<LinearSlot>(s));
+      out.push_back({module_name(l, static_cast<LinearSlot>(s)), &linear, linear.fp8_state()});
+    }
+  }
+  return out;
+}
+
+nn::AmaxRegistry& GPT::registry() { return impl_->registry; }
+
+void GPT::set_collect_fp8_stats(bool on) { impl_->collect_stats = on; }
+
+std::vector<Fp8InputStats> GPT::fp8_input_stats() const { return impl_->stats; }
+
+void GPT::zero_grad() {
+  for (Entry& e : impl_->entries()) e.grad.zero();
+}
+
+void GPT::on_weights_updated() {
+  for (nn::TransformerBlock& b : impl_->blocks) b.on_weights_updated();
+  impl_->head_cast = Tensor();
+}
+
+}  // namespace octet::train

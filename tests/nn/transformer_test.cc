@@ -1,0 +1,436 @@
+// Transformer modules: block gradients against central differences, activation recompute bitwise
+// equal to a plain run for every precision with one FP8 update per pass, inference forwards that
+// leave the FP8 state alone, and the Linear observer.
+#include "octet/nn/transformer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <optional>
+#include <random>
+#include <tuple>
+
+#include "octet/nn/autocast.h"
+#include "test_util.h"
+
+namespace octet::nn {
+namespace {
+
+using fp8::Recipe;
+using testing::bitwise_equal;
+using testing::fresh_seed;
+using ::testing::HasSubstr;
+using testing::to_floats;
+
+std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
+
+// Sizes every FP8 GEMM accepts (multiples of 16), small enough for the CPU reference.
+constexpr int64_t kBatch = 2;
+constexpr int64_t kSeq = 8;
+constexpr int64_t kRows = kBatch * kSeq;
+constexpr int64_t kDim = 32;
+constexpr int64_t kHeads = 2;
+constexpr int64_t kFfn = 64;
+
+/// GPT-2 flavour (LayerNorm, GELU, biases) or Llama flavour (RMSNorm, SwiGLU, RoPE, no biases).
+BlockConfig block_config(bool llama) {
+  return BlockConfig{.norm = llama ? NormKind::rmsnorm : NormKind::layernorm,
+                     .dim = kDim,
+                     .heads = kHeads,
+                     .ffn = kFfn,
+                     .activation = llama ? ops::Activation::swiglu : ops::Activation::gelu,
+                     .bias = !llama,
+                     .rope = llama,
+                     .rope_theta = 10000.0f,
+                     .norm_eps = 1e-5f};
+}
+
+/// Every trainable tensor of a block with its gradient, in a fixed order.
+std::vector<std::pair<Tensor, Tensor>> block_parameters(TransformerBlock& block) {
+  std::vector<std::pair<Tensor, Tensor>> out;
+  for (Norm* n : {&block.norm1(), &block.norm2()}) {
+    out.emplace_back(n->gamma(), n->grad_gamma());
+    if (n->beta().defined()) out.emplace_back(n->beta(), n->grad_beta());
+  }
+  for (int s = 0; s < kBlockLinears; ++s) {
+    Linear& l = block.linear(static_cast<LinearSlot>(s));
+    out.emplace_back(l.weight(), l.grad_weight());
+    if (l.bias().defined()) out.emplace_back(l.bias(), l.grad_bias());
+  }
+  return out;
+}
+
+/// Sets element i of the f32 tensor t (any device) to v; returns the value it held.
+float exchange(const Tensor& t, int64_t i, float v) {
+  std::vector<float> values = to_floats(t);
+  const float old = values[static_cast<size_t>(i)];
+  values[static_cast<size_t>(i)] = v;
+  Tensor(t).copy_from(Tensor::from_vector(values, t.shape()).to(t.device()));
+  return old;
+}
+
+// ----------------------------------------------------------------------------
+// FP32 gradients against central differences
+
+using FlavourParam = std::tuple<Device, bool>;  // device, llama
+class TransformerBlockGradientTest : public ::testing::TestWithParam<FlavourParam> {};
+
+/// Elements of a tensor the check samples (all of them for small tensors).
+constexpr int kSamplesPerTensor = 6;
+/// Step of the central difference: the block is smooth, so the truncation error (h^2/6 times a
+/// third derivative of order 1) stays near 4e-5, and f32 rounding of the outputs divided by 2h
+/// near 1e-4.
+constexpr float kStep = 1.0f / 64;
+constexpr double kFdAbs = 2e-3;
+constexpr double kFdRel = 2e-2;
+
+TEST_P(TransformerBlockGradientTest, MatchesCentralDifferences) {
+  const auto& [device, llama] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  TransformerBlock block(block_config(llama), device, seed, DType::f32, /*recompute=*/false);
+  const Tensor x = testing::random_tensor({kRows, kDim}, DType::f32, seed + 1).to(device);
+  const std::vector<float> g =
+      to_floats(testing::random_tensor({kRows, kDim}, DType::f32, seed + 2));
+  // loss = sum(y * g) in float64, so dloss/dy = g.
+  auto loss = [&] {
+    TransformerBlock::Saved saved;
+    const std::vector<float> y =
+        to_floats(block.forward(x, kBatch, kSeq, saved, ForwardMode::inference));
+    double sum = 0;
+    for (size_t i = 0; i < y.size(); ++i) sum += double(y[i]) * g[i];
+    return sum;
+  };
+  TransformerBlock::Saved saved;
+  block.forward(x, kBatch, kSeq, saved);
+  const Tensor dx = block.backward(Tensor::from_vector(g, {kRows, kDim}).to(device), saved);
+
+  std::vector<std::pair<Tensor, Tensor>> checks = block_parameters(block);
+  checks.emplace(checks.begin(), x, dx);
+  std::mt19937_64 rng(seed + 3);
+  for (size_t c = 0; c < checks.size(); ++c) {
+    const auto& [value, grad] = checks[c];
+    const std::vector<float> analytic = to_floats(grad);
+    for (int s = 0; s < kSamplesPerTensor; ++s) {
+      const int64_t i = static_cast<int64_t>(rng() % static_cast<uint64_t>(value.numel()));
+      const float center = to_floats(value)[static_cast<size_t>(i)];
+      const float plus = center + kStep, minus = center - kStep;
+      exchange(value, i, plus);
+      block.on_weights_updated();
+      const double loss_plus = loss();
+      exchange(value, i, minus);
+      block.on_weights_updated();
+      const double loss_minus = loss();
+      exchange(value, i, center);
+      block.on_weights_updated();
+      const double numeric = (loss_plus - loss_minus) / (double(plus) - double(minus));
+      EXPECT_NEAR(analytic[static_cast<size_t>(i)], numeric, kFdAbs + kFdRel * std::fabs(numeric))
+          << (c == 0 ? "dx" : "parameter " + std::to_string(c - 1)) << " element " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Flavours, TransformerBlockGradientTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return device_name(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_llama" : "_gpt2");
+                         });
+
+// ----------------------------------------------------------------------------
+// Recompute: bitwise the same as without, one FP8 update per pass
+
+/// A block's GEMM precision: f32 or bf16 dense, or FP8 under a recipe (bf16 activations).
+struct BlockPrecision {
+  std::string name;
+  DType activation;
+  std::optional<Recipe> recipe;
+};
+
+void PrintTo(const BlockPrecision& p, std::ostream* out) { *out << p.name; }
+
+std::vector<BlockPrecision> all_precisions() {
+  return {{"fp32", DType::f32, std::nullopt},
+          {"bf16", DType::bf16, std::nullopt},
+          {"fp8_delayed", DType::bf16, Recipe::delayed()},
+          {"fp8_current", DType::bf16, Recipe::current()},
+          {"fp8_block", DType::bf16, Recipe::block()},
+          {"fp8_mxfp8", DType::bf16, Recipe::mxfp8()}};
+}
+
+/// Every tensor of an FP8 state.
+std::vector<Tensor> state_tensors(const FP8State& state) {
+  std::vector<Tensor> out;
+  for (Pass pass : {Pass::forward, Pass::backward}) {
+    const ops::ScalingGroup& g = state.group(pass);
+    out.insert(out.end(), {g.amax_history, g.scale, g.scale_inv, state.last_amax(pass)});
+  }
+  return out;
+}
+
+constexpr int kMicrobatches = 3;
+
+struct BlockRun {
+  std::vector<Tensor> outputs;  ///< y and dx of every microbatch
+  std::vector<Tensor> grads;    ///< every parameter gradient at the end
+  std::vector<Tensor> states;   ///< every FP8 state tensor at the end
+  int64_t forward_updates = 0, backward_updates = 0;
+  std::vector<int64_t> per_state;
+};
+
+/// kMicrobatches accumulated microbatches through one block.
+BlockRun run_block(const Device& device, bool llama, const BlockPrecision& p, bool recompute,
+                   uint64_t seed) {
+  TransformerBlock block(block_config(llama), device, seed, p.activation, recompute);
+  AmaxRegistry registry;
+  BlockRun run;
+  for (int m = 0; m < kMicrobatches; ++m) {
+    const uint64_t mb = seed + 7919 * (m + 1);
+    const Tensor x = testing::random_tensor({kRows, kDim}, p.activation, mb, 2.0f).to(device);
+    const Tensor dy = testing::random_tensor({kRows, kDim}, p.activation, mb + 1).to(device);
+    TransformerBlock::Saved saved;
+    Tensor y;
+    if (p.recipe) {
+      Fp8Autocast scope(*p.recipe, registry);
+      y = block.forward(x, kBatch, kSeq, saved);
+    } else {
+      y = block.forward(x, kBatch, kSeq, saved);
+    }
+    // Recompute keeps the input and the snapshots only.
+    EXPECT_EQ(saved.complete, !recompute);
+    EXPECT_EQ(saved.attn.lse.defined(), !recompute);
+    EXPECT_EQ(saved.mlp.hidden.defined(), !recompute);
+    run.outputs.push_back(y.to(Device::cpu()));
+    run.outputs.push_back(block.backward(dy, saved).to(Device::cpu()));
+    EXPECT_FALSE(saved.input.defined()) << "backward releases the record";
+    if (p.recipe) registry.finalize_backward();
+  }
+  for (const auto& [value, grad] : block_parameters(block))
+    run.grads.push_back(grad.to(Device::cpu()));
+  if (p.recipe) {
+    for (int s = 0; s < kBlockLinears; ++s) {
+      const FP8State& state = *block.linear(static_cast<LinearSlot>(s)).fp8_state();
+      for (const Tensor& t : state_tensors(state)) run.states.push_back(t.to(Device::cpu()));
+      run.per_state.push_back(state.forward_updates());
+      run.per_state.push_back(state.backward_updates());
+    }
+  }
+  run.forward_updates = registry.forward_update_count();
+  run.backward_updates = registry.backward_update_count();
+  return run;
+}
+
+using RecomputeParam = std::tuple<Device, bool, BlockPrecision>;
+class TransformerBlockRecomputeTest : public ::testing::TestWithParam<RecomputeParam> {};
+
+TEST_P(TransformerBlockRecomputeTest, GradientsAreBitwiseEqualAndEachPassUpdatesOnce) {
+  const auto& [device, llama, precision] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const BlockRun plain = run_block(device, llama, precision, false, seed);
+  const BlockRun recomputed = run_block(device, llama, precision, true, seed);
+  ASSERT_EQ(plain.outputs.size(), recomputed.outputs.size());
+  for (size_t i = 0; i < plain.outputs.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(plain.outputs[i], recomputed.outputs[i]))
+        << (i % 2 ? "dx" : "y") << " of microbatch " << i / 2;
+  for (size_t i = 0; i < plain.grads.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(plain.grads[i], recomputed.grads[i])) << "gradient " << i;
+  ASSERT_EQ(plain.states.size(), recomputed.states.size());
+  for (size_t i = 0; i < plain.states.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(plain.states[i], recomputed.states[i])) << "FP8 state tensor " << i;
+  const int64_t expected = precision.recipe ? kMicrobatches : 0;
+  for (const BlockRun* run : {&plain, &recomputed}) {
+    EXPECT_EQ(run->forward_updates, expected);
+    EXPECT_EQ(run->backward_updates, expected);
+    for (int64_t n : run->per_state) EXPECT_EQ(n, kMicrobatches);
+  }
+  // The gradients are real: finite and not all zero.
+  bool nonzero = false;
+  for (const Tensor& g : plain.grads) {
+    for (float v : to_floats(g)) {
+      ASSERT_TRUE(std::isfinite(v));
+      nonzero |= v != 0.0f;
+    }
+  }
+  EXPECT_TRUE(nonzero);
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, TransformerBlockRecomputeTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::Bool(),
+                                            ::testing::ValuesIn(all_precisions())),
+                         [](const auto& info) {
+                           return device_name(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_llama_" : "_gpt2_") +
+                                  std::get<2>(info.param).name;
+                         });
+
+// ----------------------------------------------------------------------------
+// Inference: the current scales, no state change
+
+std::vector<Recipe> all_recipes() {
+  return {Recipe::delayed(), Recipe::current(), Recipe::block(), Recipe::mxfp8()};
+}
+
+using RecipeParam = std::tuple<Device, Recipe>;
+class TransformerBlockInferenceTest : public ::testing::TestWithParam<RecipeParam> {};
+
+TEST_P(TransformerBlockInferenceTest, LeavesFp8StateAloneAndMatchesATrainingForward) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  TransformerBlock block(block_config(false), device, seed, DType::bf16, false);
+  AmaxRegistry registry;
+  // One training step first, so the delayed scales are no longer 1 and a weight cast is cached.
+  const Tensor x0 = testing::random_tensor({kRows, kDim}, DType::bf16, seed + 1, 4.0f).to(device);
+  TransformerBlock::Saved saved;
+  {
+    Fp8Autocast scope(recipe, registry);
+    block.forward(x0, kBatch, kSeq, saved);
+  }
+  block.backward(testing::random_tensor({kRows, kDim}, DType::bf16, seed + 2).to(device), saved);
+  registry.finalize_backward();
+  block.on_weights_updated();  // as after an optimizer step: inference must cast on its own
+
+  std::vector<Tensor> before;
+  std::vector<int64_t> casts;
+  for (int s = 0; s < kBlockLinears; ++s) {
+    const Linear& l = block.linear(static_cast<LinearSlot>(s));
+    for (const Tensor& t : state_tensors(*l.fp8_state())) before.push_back(t.clone());
+    casts.push_back(l.weight_casts());
+  }
+  const Tensor x = testing::random_tensor({kRows, kDim}, DType::bf16, seed + 3).to(device);
+  Tensor y_inference;
+  {
+    AmaxRegistry untouched;
+    Fp8Autocast scope(recipe, untouched);
+    TransformerBlock::Saved none;
+    y_inference = block.forward(x, kBatch, kSeq, none, ForwardMode::inference);
+    EXPECT_FALSE(none.input.defined()) << "inference keeps no record";
+    EXPECT_TRUE(untouched.states().empty()) << "inference registers nothing";
+  }
+  size_t k = 0;
+  for (int s = 0; s < kBlockLinears; ++s) {
+    const Linear& l = block.linear(static_cast<LinearSlot>(s));
+    for (const Tensor& t : state_tensors(*l.fp8_state()))
+      EXPECT_TRUE(bitwise_equal(before[k++], t)) << "linear " << s;
+    EXPECT_EQ(l.weight_casts(), casts[static_cast<size_t>(s)]) << "linear " << s;
+    EXPECT_FALSE(l.fp8_state()->pending(Pass::forward));
+  }
+  EXPECT_EQ(registry.forward_update_count(), 1);
+
+  // A training forward now uses the same scales, so it computes the same output.
+  TransformerBlock::Saved trained;
+  Tensor y_train;
+  {
+    Fp8Autocast scope(recipe, registry);
+    y_train = block.forward(x, kBatch, kSeq, trained);
+  }
+  EXPECT_TRUE(bitwise_equal(y_train, y_inference));
+}
+
+INSTANTIATE_TEST_SUITE_P(Recipes, TransformerBlockInferenceTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::ValuesIn(all_recipes())),
+                         [](const auto& info) {
+                           std::string name = device_name(std::get<0>(info.param)) + "_" +
+                                              std::get<1>(info.param).name();
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// ----------------------------------------------------------------------------
+// Observer, errors
+
+TEST(TransformerBlockObserver, SeesEveryLinearInputOfATrainingForwardInOrder) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  TransformerBlock block(block_config(true), Device::cpu(), seed, DType::f32, false);
+  std::vector<LinearSlot> slots;
+  std::vector<Shape> shapes;
+  std::vector<bool> filled;
+  const LinearObserver observer = [&](LinearSlot slot, const Tensor& input,
+                                      const Linear::Saved& saved) {
+    slots.push_back(slot);
+    shapes.push_back(input.shape());
+    filled.push_back(saved.filled());
+  };
+  const Tensor x = testing::random_tensor({kRows, kDim}, DType::f32, seed);
+  TransformerBlock::Saved saved;
+  block.forward(x, kBatch, kSeq, saved, ForwardMode::normal, &observer);
+  EXPECT_EQ(slots, (std::vector<LinearSlot>{LinearSlot::qkv, LinearSlot::proj, LinearSlot::fc1,
+                                            LinearSlot::fc2}));
+  EXPECT_EQ(shapes,
+            (std::vector<Shape>{{kRows, kDim}, {kRows, kDim}, {kRows, kDim}, {kRows, kFfn}}));
+  EXPECT_EQ(filled, std::vector<bool>(kBlockLinears, true));
+  TransformerBlock::Saved none;
+  block.forward(x, kBatch, kSeq, none, ForwardMode::inference, &observer);
+  EXPECT_EQ(slots.size(), static_cast<size_t>(kBlockLinears)) << "inference is not observed";
+}
+
+TEST(TransformerBlockErrors, BadInputsAndRecordsAreRejectedWithTheReason) {
+  TransformerBlock block(block_config(false), Device::cpu(), fresh_seed(), DType::f32, true);
+  TransformerBlock::Saved saved;
+  EXPECT_THAT(
+      [&] {
+        block.forward(Tensor::zeros({kRows, kDim + 1}, DType::f32), kBatch, kSeq, saved);
+      },
+      ::testing::ThrowsMessage<Error>(
+          HasSubstr("expects x [batch*seq, dim] = [16, 32], got f32[16, 33]")));
+  EXPECT_THAT(
+      [&] {
+        block.forward(Tensor::zeros({kRows, kDim}, DType::f32), kBatch, kSeq, saved,
+                      ForwardMode::recompute);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("recompute happens inside backward")));
+  EXPECT_THAT(
+      [&] {
+        block.backward(Tensor::zeros({kRows, kDim}, DType::f32), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("needs the Saved of a training forward")));
+  const Tensor x = testing::random_tensor({kRows, kDim}, DType::f32, fresh_seed());
+  block.forward(x, kBatch, kSeq, saved);
+  EXPECT_THAT(
+      [&] {
+        block.backward(Tensor::zeros({kRows, kDim}, DType::bf16), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("expects dy like its input")));
+}
+
+TEST(LinearInference, NeedsAStateForTheRecipeAndItsSavedCannotGoBackward) {
+  Linear layer(32, 16, true, Device::cpu(), fresh_seed(), DType::bf16);
+  const Tensor x = testing::random_tensor({16, 32}, DType::bf16, fresh_seed());
+  AmaxRegistry registry;
+  Linear::Saved saved;
+  EXPECT_THAT(
+      [&] {
+        Fp8Autocast scope(Recipe::delayed(), registry);
+        layer.forward(x, saved, ForwardMode::inference);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("needs the layer's FP8 state for that recipe")));
+  const FP8State& state = layer.ensure_fp8_state(Recipe::delayed());
+  EXPECT_EQ(&state, layer.fp8_state().get());
+  EXPECT_EQ(&layer.ensure_fp8_state(Recipe::delayed()), &state) << "an existing state is kept";
+  {
+    Fp8Autocast scope(Recipe::delayed(), registry);
+    layer.forward(x, saved, ForwardMode::inference);
+  }
+  EXPECT_FALSE(saved.input_q.has_columnwise()) << "inference quantizes only what its GEMM reads";
+  EXPECT_EQ(layer.weight_casts(), 0);
+  EXPECT_THAT(
+      [&] {
+        layer.backward(Tensor::zeros({16, 16}, DType::bf16), saved);
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("got one of an inference forward")));
+}
+
+}  // namespace
+}  // namespace octet::nn

@@ -1,0 +1,379 @@
+// Tests of the optimizer family on every backend: global_norm_squared against an independent
+// emulation of its documented order (bit for bit) and a long-double sum; adamw_step against a
+// float64 AdamW with clipping; CPU and CUDA bit for bit over several steps; byte-for-byte
+// repeatability of the norm on CUDA; and the messages for bad input.
+#include "octet/ops/optimizer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "ops/optimizer_backend.h"
+#include "test_util.h"
+
+namespace octet {
+namespace {
+
+using testing::bitwise_equal;
+using testing::fresh_seed;
+using ::testing::HasSubstr;
+using testing::to_bytes;
+using testing::to_floats;
+
+std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
+
+std::string shape_name(const Shape& shape) {
+  std::string name;
+  for (int64_t extent : shape) name += (name.empty() ? "" : "x") + std::to_string(extent);
+  return name;
+}
+
+/// Expects `run` to throw octet::Error with every one of `parts` in its message.
+template <typename Run>
+void expect_error(Run&& run, std::initializer_list<std::string> parts) {
+  try {
+    run();
+    ADD_FAILURE() << "expected an octet::Error mentioning \"" << *parts.begin() << "\"";
+  } catch (const Error& e) {
+    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
+  }
+}
+
+// ----------------------------------------------------------------------------
+// global_norm_squared
+
+/// optimizer_backend.h's order written out independently: lane t of kNormLanes sums values t,
+/// t + kNormLanes, ... from +0; then lane[t] += lane[t + s] for s = kNormLanes/2 .. 1.
+double lanes_then_tree(const std::vector<double>& values) {
+  std::vector<double> lane(ops::kNormLanes, 0.0);
+  for (size_t i = 0; i < values.size(); ++i) lane[i % ops::kNormLanes] += values[i];
+  for (int s = ops::kNormLanes / 2; s > 0; s /= 2)
+    for (int t = 0; t < s; ++t) lane[t] += lane[t + s];
+  return lane[0];
+}
+
+/// The documented order: chunk partials, per-tensor sums of the partials, tensors in order.
+float documented_norm_sq(const std::vector<std::vector<float>>& tensors) {
+  double total = 0.0;
+  for (const std::vector<float>& g : tensors) {
+    std::vector<double> partials;
+    for (size_t begin = 0; begin < g.size(); begin += ops::kNormChunk) {
+      std::vector<double> squares;
+      for (size_t i = begin; i < std::min(g.size(), begin + ops::kNormChunk); ++i)
+        squares.push_back(static_cast<double>(g[i]) * g[i]);
+      partials.push_back(lanes_then_tree(squares));
+    }
+    total += lanes_then_tree(partials);
+  }
+  return static_cast<float>(total);
+}
+
+struct NormCase {
+  Device backend;
+  std::string name;
+  std::vector<Shape> shapes;
+};
+
+std::vector<NormCase> norm_cases() {
+  std::vector<Shape> many;  // more tensors than one CUDA launch describes (32)
+  for (int i = 0; i < 40; ++i) many.push_back({(i * 37) % 500 + 1});
+  std::vector<NormCase> cases;
+  for (const Device& d : testing::all_backends()) {
+    cases.push_back({d, "one_3221", {{3221}}});
+    cases.push_back({d, "awkward", {{2333, 1}, {1481, 677}, {7}}});
+    cases.push_back({d, "forty_tensors", many});
+    // 513 chunks: the second stage folds more than one partial per lane.
+    cases.push_back({d, "two_million", {{2100000}, {1}}});
+  }
+  return cases;
+}
+
+class GlobalNormSquared : public ::testing::TestWithParam<NormCase> {};
+
+TEST_P(GlobalNormSquared, FollowsTheDocumentedOrderBitwiseAndIsWithinAnUlpOfExact) {
+  const NormCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::vector<Tensor> grads;
+  std::vector<std::vector<float>> values;
+  for (size_t i = 0; i < p.shapes.size(); ++i) {
+    // Magnitudes from 1e-3 to 1e3 across tensors, so the tensor sums differ widely.
+    const float scale = std::pow(10.0f, static_cast<float>(i % 7) - 3.0f);
+    Tensor g = testing::random_tensor(p.shapes[i], DType::f32, seed + i, scale);
+    values.push_back(to_floats(g));
+    grads.push_back(g.to(p.backend));
+  }
+  Tensor norm_sq = Tensor::empty({1}, DType::f32, p.backend);
+
+  ops::global_norm_squared(grads.data(), static_cast<int>(grads.size()), norm_sq);
+
+  const float got = to_floats(norm_sq)[0];
+  EXPECT_EQ(fp8::float_bits(got), fp8::float_bits(documented_norm_sq(values)))
+      << "got " << got << ", documented order gives " << documented_norm_sq(values);
+  long double exact = 0;
+  for (const auto& g : values)
+    for (float x : g) exact += static_cast<long double>(x) * x;
+  // Double accumulation leaves only the final rounding to f32: half an ulp plus a hair, and
+  // 0.51 * 2^-23 * exact is at least that wherever exact lies in its binade.
+  EXPECT_NEAR(got, static_cast<double>(exact), 0.51 * FLT_EPSILON * static_cast<double>(exact));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, GlobalNormSquared, ::testing::ValuesIn(norm_cases()),
+                         [](const ::testing::TestParamInfo<NormCase>& info) {
+                           return device_name(info.param.backend) + "_" + info.param.name;
+                         });
+
+// ----------------------------------------------------------------------------
+// adamw_step
+
+struct AdamWCase {
+  Device backend;
+  Shape shape;
+  float norm_sq;
+  float max_grad_norm;
+  float weight_decay;
+  int64_t step;
+};
+
+std::vector<AdamWCase> adamw_cases() {
+  std::vector<AdamWCase> cases;
+  for (const Device& d : testing::all_backends()) {
+    cases.push_back({d, {3221}, 0.25f, 1.0f, 0.1f, 1});         // norm 0.5 < 1: no clipping
+    cases.push_back({d, {2333, 1}, 400.0f, 1.0f, 0.1f, 7});     // norm 20: scaled by ~0.05
+    cases.push_back({d, {1481, 677}, 1e6f, 0.0f, 0.0f, 1000});  // clipping off, no decay
+    cases.push_back({d, {17, 5}, 9.0f, 0.5f, 0.01f, 3});
+  }
+  return cases;
+}
+
+std::string adamw_name(const ::testing::TestParamInfo<AdamWCase>& info) {
+  const AdamWCase& p = info.param;
+  return device_name(p.backend) + "_" + shape_name(p.shape) + "_step" + std::to_string(p.step) +
+         (p.max_grad_norm > 0 ? "_clip" : "_noclip") + (p.weight_decay > 0 ? "_wd" : "");
+}
+
+class AdamWStep : public ::testing::TestWithParam<AdamWCase> {};
+
+TEST_P(AdamWStep, MatchesFloat64AdamWWithClipping) {
+  const AdamWCase& p = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  ops::AdamWArgs args;
+  args.lr = 1e-3f;
+  args.weight_decay = p.weight_decay;
+  args.step = p.step;
+  args.max_grad_norm = p.max_grad_norm;
+  const Tensor param0 = testing::random_tensor(p.shape, DType::f32, seed);
+  const Tensor grad = testing::random_tensor(p.shape, DType::f32, seed + 1);
+  const Tensor m0 = testing::random_tensor(p.shape, DType::f32, seed + 2, 0.1f);
+  Tensor v0 = testing::random_tensor(p.shape, DType::f32, seed + 3, 0.01f);
+  for (int64_t i = 0; i < v0.numel(); ++i) v0.data<float>()[i] = std::fabs(v0.data<float>()[i]);
+  Tensor param = param0.to(p.backend), m = m0.to(p.backend), v = v0.to(p.backend);
+
+  ops::adamw_step(param, grad.to(p.backend), m, v,
+                  Tensor::from_vector({p.norm_sq}, {1}).to(p.backend), args);
+
+  const double b1 = args.beta1, b2 = args.beta2;
+  const double clip = p.max_grad_norm > 0
+                          ? std::min(1.0, p.max_grad_norm / (std::sqrt(double{p.norm_sq}) + 1e-6))
+                          : 1.0;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(p.step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(p.step));
+  const std::vector<float> got_p = to_floats(param), got_m = to_floats(m), got_v = to_floats(v);
+  constexpr double kEps = FLT_EPSILON;
+  for (int64_t i = 0; i < param0.numel(); ++i) {
+    const double p0 = param0.data<float>()[i], g = grad.data<float>()[i] * clip;
+    const double m_prev = m0.data<float>()[i], v_prev = v0.data<float>()[i];
+    const double m_ref = b1 * m_prev + (1 - b1) * g;
+    const double v_ref = b2 * v_prev + (1 - b2) * g * g;
+    const double u = (m_ref / bc1) / (std::sqrt(v_ref / bc2) + args.eps);
+    const double p_ref = p0 - args.lr * (u + args.weight_decay * p0);
+    // |u| computed from magnitudes: m may cancel, and its absolute error follows its terms.
+    const double u_magnitude = (std::fabs(b1 * m_prev) + std::fabs((1 - b1) * g)) / bc1 /
+                               (std::sqrt(v_ref / bc2) + args.eps);
+    ASSERT_NEAR(got_m[i], m_ref, 8 * kEps * (std::fabs(b1 * m_prev) + std::fabs((1 - b1) * g)))
+        << "m[" << i << "]";
+    ASSERT_NEAR(got_v[i], v_ref, 8 * kEps * (b2 * v_prev + (1 - b2) * g * g)) << "v[" << i << "]";
+    ASSERT_NEAR(got_p[i], p_ref,
+                2 * kEps * std::fabs(p_ref) +
+                    16 * kEps * args.lr * (u_magnitude + args.weight_decay * std::fabs(p0)))
+        << "param[" << i << "]";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, AdamWStep, ::testing::ValuesIn(adamw_cases()), adamw_name);
+
+TEST(AdamWMath, ClipFactorIsAsDocumented) {
+  EXPECT_EQ(ops::adamw_clip_factor(1e6f, 0.0f), 1.0f);   // off
+  EXPECT_EQ(ops::adamw_clip_factor(1e6f, -1.0f), 1.0f);  // off
+  EXPECT_EQ(ops::adamw_clip_factor(0.25f, 1.0f), 1.0f);  // below the threshold
+  EXPECT_EQ(ops::adamw_clip_factor(0.0f, 1.0f), 1.0f);   // zero gradient
+  EXPECT_EQ(ops::adamw_clip_factor(400.0f, 1.0f), 1.0f / (20.0f + 1e-6f));
+  EXPECT_EQ(ops::adamw_clip_factor(INFINITY, 1.0f), 0.0f);
+  EXPECT_EQ(ops::adamw_clip_factor(NAN, 1.0f), 1.0f);
+}
+
+// ----------------------------------------------------------------------------
+// CUDA: bit-exact agreement and repeatability
+
+TEST(OptimizerCuda, AdamWAndNormEqualCpuBitwiseOverSeveralSteps) {
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::vector<Shape> shapes = {{1481, 677}, {3221}, {2333, 1}};
+  std::vector<Tensor> cpu_p, cpu_m, cpu_v, gpu_p, gpu_m, gpu_v;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    cpu_p.push_back(testing::random_tensor(shapes[i], DType::f32, seed + i));
+    cpu_m.push_back(Tensor::zeros(shapes[i], DType::f32));
+    cpu_v.push_back(Tensor::zeros(shapes[i], DType::f32));
+    gpu_p.push_back(cpu_p.back().to(gpu));
+    gpu_m.push_back(cpu_m.back().to(gpu));
+    gpu_v.push_back(cpu_v.back().to(gpu));
+  }
+  ops::AdamWArgs args;
+  args.max_grad_norm = 0.5f;  // the gradients' norm is ~600: clipping is active
+  for (int64_t step = 1; step <= 3; ++step) {
+    args.step = step;
+    std::vector<Tensor> cpu_g, gpu_g;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      cpu_g.push_back(testing::random_tensor(shapes[i], DType::f32, seed + 100 * step + i));
+      gpu_g.push_back(cpu_g.back().to(gpu));
+    }
+    Tensor cpu_norm = Tensor::empty({1}, DType::f32);
+    Tensor gpu_norm = Tensor::empty({1}, DType::f32, gpu);
+    ops::global_norm_squared(cpu_g.data(), static_cast<int>(cpu_g.size()), cpu_norm);
+    ops::global_norm_squared(gpu_g.data(), static_cast<int>(gpu_g.size()), gpu_norm);
+    ASSERT_TRUE(bitwise_equal(cpu_norm, gpu_norm)) << "norm at step " << step;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      ops::adamw_step(cpu_p[i], cpu_g[i], cpu_m[i], cpu_v[i], cpu_norm, args);
+      ops::adamw_step(gpu_p[i], gpu_g[i], gpu_m[i], gpu_v[i], gpu_norm, args);
+      EXPECT_TRUE(bitwise_equal(cpu_p[i], gpu_p[i])) << "param " << i << " at step " << step;
+      EXPECT_TRUE(bitwise_equal(cpu_m[i], gpu_m[i])) << "m " << i << " at step " << step;
+      EXPECT_TRUE(bitwise_equal(cpu_v[i], gpu_v[i])) << "v " << i << " at step " << step;
+    }
+  }
+}
+
+TEST(OptimizerCuda, GlobalNormIsRepeatableAsBytesAtModelScale) {
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // GPT-2 small's largest gradients (wte, one block's attention and MLP weights) plus awkward ones.
+  const std::vector<Shape> shapes = {{50304, 768}, {768, 2304}, {768, 3072}, {3072, 768},
+                                     {1024, 768},  {2333, 1},   {3221},      {1481, 677}};
+  std::vector<Tensor> cpu_g, gpu_g;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    cpu_g.push_back(testing::random_tensor(shapes[i], DType::f32, seed + i, 0.01f));
+    gpu_g.push_back(cpu_g.back().to(gpu));
+  }
+  std::vector<uint8_t> first;
+  for (int run = 0; run < 3; ++run) {
+    Tensor norm_sq = Tensor::empty({1}, DType::f32, gpu);
+    ops::global_norm_squared(gpu_g.data(), static_cast<int>(gpu_g.size()), norm_sq);
+    ASSERT_TRUE(std::isfinite(to_floats(norm_sq)[0]));
+    if (run == 0) first = to_bytes(norm_sq);
+    EXPECT_TRUE(to_bytes(norm_sq) == first) << "run " << run << " differs from run 0";
+  }
+  Tensor cpu_norm = Tensor::empty({1}, DType::f32);
+  ops::global_norm_squared(cpu_g.data(), static_cast<int>(cpu_g.size()), cpu_norm);
+  EXPECT_TRUE(to_bytes(cpu_norm) == first) << "CUDA differs from the CPU reference";
+}
+
+// ----------------------------------------------------------------------------
+// Bad input
+
+TEST(OptimizerBadInput, GlobalNormNamesWhatIsWrong) {
+  const Tensor g = testing::random_tensor({3, 4}, DType::f32, 1);
+  Tensor norm_sq = Tensor::empty({1}, DType::f32);
+  using ops::global_norm_squared;
+  expect_error([&] { global_norm_squared(&g, 0, norm_sq); },
+               {"global_norm_squared", "expected at least one gradient tensor, got count 0"});
+  expect_error([&] { global_norm_squared(nullptr, 2, norm_sq); }, {"grads is null"});
+  const Tensor bf16 = testing::random_tensor({3, 4}, DType::bf16, 1);
+  const Tensor mixed[] = {g, bf16};
+  expect_error([&] { global_norm_squared(mixed, 2, norm_sq); },
+               {"grads[1] must be f32, got bf16[3, 4]"});
+  const Tensor empty = Tensor::empty({0, 4}, DType::f32);
+  expect_error([&] { global_norm_squared(&empty, 1, norm_sq); }, {"grads[0] is an empty tensor"});
+  const Tensor undefined;
+  expect_error([&] { global_norm_squared(&undefined, 1, norm_sq); },
+               {"grads[0] is an undefined tensor"});
+  expect_error([&] { global_norm_squared(&g, 1, Tensor::empty({2}, DType::f32)); },
+               {"norm_sq must be f32[1], got f32[2]"});
+}
+
+TEST(OptimizerBadInput, AdamWNamesWhatIsWrong) {
+  const Tensor p = testing::random_tensor({3, 4}, DType::f32, 1);
+  const Tensor g = testing::random_tensor({3, 4}, DType::f32, 2);
+  const Tensor m = Tensor::zeros({3, 4}, DType::f32), v = Tensor::zeros({3, 4}, DType::f32);
+  const Tensor norm_sq = Tensor::from_vector({1.0f}, {1});
+  const ops::AdamWArgs good;
+  using ops::adamw_step;
+  expect_error(
+      [&] {
+        adamw_step(p, Tensor::zeros({4, 3}, DType::f32), m, v, norm_sq, good);
+      },
+      {"adamw_step", "grad must have param's shape [3, 4], got f32[4, 3]"});
+  expect_error(
+      [&] {
+        adamw_step(p, g, Tensor::zeros({3, 4}, DType::bf16), v, norm_sq, good);
+      },
+      {"m must be f32, got bf16[3, 4]"});
+  expect_error([&] { adamw_step(p, g, m, Tensor::zeros({12}, DType::f32), norm_sq, good); },
+               {"v must have param's shape [3, 4], got f32[12]"});
+  expect_error(
+      [&] {
+        adamw_step(Tensor::empty({0}, DType::f32), Tensor::empty({0}, DType::f32),
+                   Tensor::empty({0}, DType::f32), Tensor::empty({0}, DType::f32), norm_sq, good);
+      },
+      {"param is an empty tensor"});
+  expect_error([&] { adamw_step(p, g, m, v, Tensor::zeros({1}, DType::bf16), good); },
+               {"norm_sq must be f32[1], got bf16[1]"});
+  auto with = [&](auto change) {
+    ops::AdamWArgs args;
+    change(args);
+    return args;
+  };
+  expect_error([&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.step = 0; })); },
+               {"step is 1-based and must be >= 1, got 0"});
+  expect_error([&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.beta1 = 1.0f; })); },
+               {"beta1 must be in [0, 1), got 1"});
+  expect_error([&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.beta2 = -0.5f; })); },
+               {"beta2 must be in [0, 1), got -0.5"});
+  expect_error([&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.lr = NAN; })); },
+               {"lr must be finite"});
+  expect_error([&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.eps = 0.0f; })); },
+               {"eps must be > 0, got 0"});
+  expect_error(
+      [&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.weight_decay = -1.0f; })); },
+      {"weight_decay must be >= 0, got -1"});
+  expect_error(
+      [&] { adamw_step(p, g, m, v, norm_sq, with([](auto& a) { a.max_grad_norm = INFINITY; })); },
+      {"max_grad_norm must be finite"});
+}
+
+TEST(OptimizerDevices, MixedDevicesAreRefused) {
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const Tensor p = testing::random_tensor({3, 4}, DType::f32, 1);
+  const Tensor g = testing::random_tensor({3, 4}, DType::f32, 2).to(gpu);
+  const Tensor m = Tensor::zeros({3, 4}, DType::f32), v = Tensor::zeros({3, 4}, DType::f32);
+  expect_error([&] { ops::adamw_step(p, g, m, v, Tensor::from_vector({1.0f}, {1}), {}); },
+               {"adamw_step: all tensors must be on one device", "cuda:0"});
+  expect_error([&] { ops::global_norm_squared(&g, 1, Tensor::empty({1}, DType::f32)); },
+               {"global_norm_squared: all tensors must be on one device", "grads[0]"});
+}
+
+}  // namespace
+}  // namespace octet
