@@ -1,18 +1,129 @@
-// The octet command. Subcommands arrive with their issues (train, eval, generate, bench, inspect).
+// The octet command: train, eval, generate, inspect, bench train, info.
 #include <CLI/CLI.hpp>
 
-#include <iostream>
+#include <cstdio>
+#include <exception>
+#include <string>
 
 #include "octet/core/device.h"
+#include "octet/core/error.h"
+#include "octet/train/trainer.h"
+
+namespace {
+
+/// One clear line on stderr for a failure, with a remedy where one is known.
+int report(const std::string& message) {
+  std::string line = message;
+  if (line.find("out of GPU memory") != std::string::npos)
+    line += "; try a smaller --batch, more --accum steps, or --recompute";
+  std::fprintf(stderr, "octet: error: %s\n", line.c_str());
+  return 1;
+}
+
+void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
+  cmd->add_option("--device", o.device, "cpu, cuda or cuda:N (default: cuda when a GPU is visible)");
+  cmd->add_option("--precision", o.precision,
+                  "fp8-delayed, fp8-current, fp8-block, fp8-mxfp8, bf16 or fp32")
+      ->capture_default_str();
+  cmd->add_option("--model", o.model,
+                  "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b or llama-1b (default: tiny on CPU, "
+                  "gpt2-124m on GPU)");
+  cmd->add_option("--layers", o.layers, "override the preset's layer count");
+  cmd->add_option("--dim", o.dim, "override the model width");
+  cmd->add_option("--heads", o.heads, "override the number of attention heads");
+  cmd->add_option("--ffn", o.ffn, "override the MLP hidden width");
+  cmd->add_option("--vocab", o.vocab, "override the vocabulary size (a multiple of 16)");
+  cmd->add_option("--data", o.data, "builtin, text:FILE or bin:GLOB (llm.c shards)")
+      ->capture_default_str();
+  cmd->add_option("--steps", o.steps, "optimizer steps");
+  cmd->add_option("--batch", o.batch, "sequences per microbatch");
+  cmd->add_option("--seq", o.seq, "tokens per sequence");
+  cmd->add_option("--accum", o.accum, "microbatches per optimizer step")->capture_default_str();
+  cmd->add_option("--lr", o.lr, "peak learning rate");
+  cmd->add_option("--warmup", o.warmup, "warmup steps (default 20)");
+  cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
+  cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed of weights and data order")->capture_default_str();
+  cmd->add_flag("--recompute", o.recompute, "recompute activations in backward (saves memory)");
+  cmd->add_flag("--deterministic", o.deterministic,
+                "bitwise reproducible runs; ops without a deterministic path refuse to run");
+  cmd->add_option("--out", o.out, "output directory")->capture_default_str();
+  cmd->add_option("--save-every", o.save_every, "checkpoint every N steps (0: at the end)");
+  cmd->add_option("--resume", o.resume, "continue bitwise from a checkpoint");
+  cmd->add_option("--eval-every", o.eval_every, "val loss every N steps (0: at the end)");
+  cmd->add_option("--eval-batches", o.eval_batches, "val batches per evaluation")
+      ->capture_default_str();
+  cmd->add_option("--fp8-stats-every", o.fp8_stats_every,
+                  "FP8 statistics into metrics.jsonl every N steps (0: never)")
+      ->capture_default_str();
+  cmd->add_option("--log-every", o.log_every, "progress line every N steps off a terminal")
+      ->capture_default_str();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"octet: FP8 training engine"};
+  CLI::App app{"octet: FP8 training engine for transformer models"};
   app.require_subcommand(1);
+
+  octet::train::TrainOptions train_options;
+  auto* train = app.add_subcommand("train", "train a GPT-style model from random initialization");
+  add_train_options(train, train_options);
+
+  std::string checkpoint, device = "auto", prompt = "12+34=";
+  int64_t batches = 8, tokens = 64;
+  double temperature = 0.8;
+  uint64_t seed = 1;
+  auto* eval = app.add_subcommand("eval", "val loss (and builtin arithmetic accuracy) of a checkpoint");
+  eval->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
+  eval->add_option("--device", device, "cpu, cuda or cuda:N");
+  eval->add_option("--batches", batches, "val batches")->capture_default_str();
+  auto* generate = app.add_subcommand("generate", "sample text from a checkpoint");
+  generate->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
+  generate->add_option("--device", device, "cpu, cuda or cuda:N");
+  generate->add_option("--prompt", prompt, "text to continue")->capture_default_str();
+  generate->add_option("--tokens", tokens, "tokens to generate")->capture_default_str();
+  generate->add_option("--temperature", temperature, "0 for greedy")->capture_default_str();
+  generate->add_option("--seed", seed, "sampling seed")->capture_default_str();
+  auto* inspect = app.add_subcommand("inspect", "print a checkpoint's config and FP8 state");
+  inspect->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
+  octet::train::TrainOptions bench_options;
+  bench_options.steps = 10;
+  int64_t bench_warmup = 3;
+  auto* bench = app.add_subcommand("bench", "benchmarks (kernel benchmarks: the octet_bench binary)");
+  bench->require_subcommand(1);
+  auto* bench_train = bench->add_subcommand(
+      "train", "training throughput and peak memory: one JSON line (median tokens/s)");
+  add_train_options(bench_train, bench_options);
+  bench_train->add_option("--warmup-steps", bench_warmup, "untimed steps first")
+      ->capture_default_str();
   auto* info = app.add_subcommand("info", "print the build and the visible GPUs");
-  info->callback([] {
-    std::cout << "octet 0.1.0, CUDA backend " << (octet::built_with_cuda() ? "on" : "off")
-              << ", " << octet::cuda_device_count() << " GPU(s) visible\n";
-  });
-  CLI11_PARSE(app, argc, argv);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "octet: error: %s (see octet --help)\n", e.what());
+    return 2;
+  }
+
+  try {
+    if (train->parsed()) octet::train::run_train(train_options);
+    if (bench_train->parsed()) octet::train::run_train_benchmark(bench_options, bench_warmup);
+    if (eval->parsed()) octet::train::run_eval(checkpoint, device, batches);
+    if (generate->parsed())
+      octet::train::run_generate(checkpoint, device, prompt, tokens, temperature, seed);
+    if (inspect->parsed()) octet::train::run_inspect(checkpoint);
+    if (info->parsed())
+      std::printf("octet 0.1.0, CUDA backend %s, %d GPU(s) visible\n",
+                  octet::built_with_cuda() ? "on" : "off", octet::cuda_device_count());
+  } catch (const octet::Error& e) {
+    return report(e.message());
+  } catch (const std::exception& e) {
+    return report(e.what());
+  }
   return 0;
 }

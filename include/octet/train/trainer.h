@@ -47,6 +47,10 @@ ModelConfig resolve_model_config(const TrainOptions& options, int data_vocab);
 /// (nothing written is lost: checkpoints are replaced atomically).
 void run_train(const TrainOptions& options);
 
+/// `octet bench train`: `warmup_steps` untimed steps, then options.steps timed ones; prints one
+/// JSON line with the median tokens/s and the peak device memory of the run.
+void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps);
+
 /// `octet eval`: val loss of a checkpoint (and arithmetic accuracy for the builtin corpus).
 void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches);
 /// `octet generate`: samples `tokens` tokens after `prompt` (byte-level vocabularies).

@@ -1,0 +1,221 @@
+// The training loop end to end on a micro model: bitwise resume, metrics, checkpoints, and the
+// bad-input contract of `octet train` (a clear octet::Error; an existing checkpoint untouched).
+#include "octet/train/trainer.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "octet/core/error.h"
+#include "octet/train/safetensors.h"
+
+namespace octet::testing {
+std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
+}
+
+namespace octet::train {
+namespace {
+
+using ::testing::HasSubstr;
+using octet::testing::scratch_dir;
+
+/// A model small enough to train a few steps in well under a second per step on one CPU core.
+TrainOptions micro_options(const std::filesystem::path& out, const std::string& precision) {
+  TrainOptions o;
+  o.device = "cpu";
+  o.precision = precision;
+  o.model = "tiny";
+  o.layers = 1;
+  o.dim = 32;
+  o.heads = 2;
+  o.ffn = 64;
+  o.steps = 6;
+  o.batch = 2;
+  o.seq = 16;
+  o.accum = 2;
+  o.lr = 3e-3;
+  o.warmup = 2;
+  o.out = out.string();
+  o.eval_batches = 1;
+  o.fp8_stats_every = 2;
+  return o;
+}
+
+std::string read_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+/// The "loss" and "grad_norm" fields of every step line of a metrics file, as written (%.9g).
+std::vector<std::string> loss_lines(const std::filesystem::path& metrics) {
+  std::vector<std::string> out;
+  std::istringstream in(read_file(metrics));
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    out.push_back(std::to_string(j["step"].get<int64_t>()) + " " + j["loss"].dump() + " " +
+                  j["grad_norm"].dump());
+  }
+  return out;
+}
+
+class TrainerResume : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainerResume, ResumedRunEqualsUninterruptedRunBitwise) {
+  const auto dir = scratch_dir();
+  TrainOptions whole = micro_options(dir / "whole", GetParam());
+  run_train(whole);
+
+  TrainOptions first = micro_options(dir / "split", GetParam());
+  first.steps = 3;
+  run_train(first);
+  TrainOptions second = micro_options(dir / "split", GetParam());
+  second.resume = (dir / "split" / "checkpoint.safetensors").string();
+  run_train(second);
+
+  const auto expected = loss_lines(dir / "whole" / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  EXPECT_EQ(loss_lines(dir / "split" / "metrics.jsonl"), expected);
+  // The final weights, moments and FP8 states are the same bytes too.
+  SafetensorsFile a = load_safetensors((dir / "whole" / "checkpoint.safetensors").string());
+  SafetensorsFile b = load_safetensors((dir / "split" / "checkpoint.safetensors").string());
+  ASSERT_EQ(a.names(), b.names());
+  for (const std::string& name : a.names()) {
+    Tensor ta = a.get(name), tb = b.get(name);
+    ASSERT_EQ(0, std::memcmp(ta.raw_data(), tb.raw_data(), ta.nbytes())) << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, TrainerResume,
+                         ::testing::Values("fp8-delayed", "fp8-block", "bf16"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name)
+                             if (c == '-') c = '_';
+                           return name;
+                         });
+
+TEST(Trainer, LossFallsAndMetricsHaveTheContractFields) {
+  const auto dir = scratch_dir();
+  TrainOptions o = micro_options(dir, "fp8-delayed");
+  o.steps = 30;
+  o.fp8_stats_every = 10;
+  run_train(o);
+  std::istringstream in(read_file(dir / "metrics.jsonl"));
+  std::vector<double> losses;
+  bool saw_fp8_stats = false;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("loss")) continue;
+    for (const char* key : {"step", "loss", "grad_norm", "lr", "tokens_per_s"})
+      EXPECT_TRUE(j.contains(key)) << key << " missing in " << line;
+    losses.push_back(j["loss"].get<double>());
+    if (j.contains("fp8")) {
+      saw_fp8_stats = true;
+      for (const auto& [module, stats] : j["fp8"].items())
+        for (const char* key : {"input_amax", "saturated", "underflow", "weight_amax"})
+          EXPECT_TRUE(stats.contains(key)) << module << " lacks " << key;
+    }
+  }
+  ASSERT_EQ(losses.size(), 30u);
+  EXPECT_TRUE(saw_fp8_stats);
+  EXPECT_LT(losses.back(), 0.8 * losses.front());
+}
+
+// ----------------------------------------------------------------------------
+// Bad input
+
+void expect_train_error(const TrainOptions& o, const std::string& fragment) {
+  try {
+    run_train(o);
+    FAIL() << "expected an octet::Error containing '" << fragment << "'";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr(fragment));
+  }
+}
+
+TEST(TrainerBadInput, ImpossibleSizes) {
+  const auto dir = scratch_dir();
+  TrainOptions o = micro_options(dir, "fp8-delayed");
+  o.heads = 3;
+  expect_train_error(o, "heads (3) must divide dim (32)");
+  o = micro_options(dir, "fp8-delayed");
+  o.seq = 4096;
+  expect_train_error(o, "larger than the position table");
+  o = micro_options(dir, "fp8-delayed");
+  o.batch = 1;
+  o.seq = 8;
+  expect_train_error(o, "multiple of 16");
+  o = micro_options(dir, "fp8-delayed");
+  o.precision = "fp7";
+  expect_train_error(o, "fp7");
+}
+
+TEST(TrainerBadInput, MissingAndEmptyData) {
+  const auto dir = scratch_dir();
+  TrainOptions o = micro_options(dir, "bf16");
+  o.data = "text:" + (dir / "missing.txt").string();
+  expect_train_error(o, "missing.txt");
+  std::ofstream(dir / "empty.txt").close();
+  o.data = "text:" + (dir / "empty.txt").string();
+  expect_train_error(o, "empty");
+  std::ofstream bad(dir / "bad.bin", std::ios::binary);
+  std::vector<int32_t> header(256, 0);
+  header[0] = 12345;
+  bad.write(reinterpret_cast<const char*>(header.data()), 1024);
+  bad.close();
+  o.data = "bin:" + (dir / "bad.bin").string();
+  expect_train_error(o, "magic");
+}
+
+TEST(TrainerBadInput, CorruptCheckpointLeavesItIntactAndIncompatibleConfigIsRefused) {
+  const auto dir = scratch_dir();
+  TrainOptions o = micro_options(dir / "run", "bf16");
+  o.steps = 2;
+  run_train(o);
+  const auto ckpt = dir / "run" / "checkpoint.safetensors";
+  const std::string good = read_file(ckpt);
+
+  // Truncated copy: refused with a clear error.
+  const auto truncated = dir / "truncated.safetensors";
+  std::ofstream(truncated, std::ios::binary) << good.substr(0, good.size() / 2);
+  TrainOptions resume = micro_options(dir / "run", "bf16");
+  resume.resume = truncated.string();
+  expect_train_error(resume, "truncated");
+
+  // Incompatible config: refused, naming the field; the checkpoint is untouched.
+  resume.resume = ckpt.string();
+  resume.dim = 48;
+  resume.heads = 2;
+  expect_train_error(resume, "incompatible");
+  EXPECT_EQ(read_file(ckpt), good);
+
+  // Another precision is another run.
+  resume = micro_options(dir / "run", "fp8-delayed");
+  resume.resume = ckpt.string();
+  expect_train_error(resume, "precision");
+  EXPECT_EQ(read_file(ckpt), good);
+}
+
+TEST(TrainerInspect, PrintsConfigAndFp8State) {
+  const auto dir = scratch_dir();
+  TrainOptions o = micro_options(dir, "fp8-delayed");
+  o.steps = 2;
+  run_train(o);
+  ::testing::internal::CaptureStdout();
+  run_inspect((dir / "checkpoint.safetensors").string());
+  const std::string out = ::testing::internal::GetCapturedStdout();
+  EXPECT_THAT(out, HasSubstr("fp8-delayed"));
+  EXPECT_THAT(out, HasSubstr("blocks.0.attn.qkv"));
+}
+
+}  // namespace
+}  // namespace octet::train
