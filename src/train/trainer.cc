@@ -29,7 +29,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // Defaults per device. The CPU default is sized to finish in under 3 minutes on 2 cores.
-constexpr int64_t kCpuSteps = 200, kCpuBatch = 16, kCpuSeq = 64;
+constexpr int64_t kCpuSteps = 300, kCpuBatch = 16, kCpuSeq = 64;
 constexpr double kCpuLr = 2e-3;
 constexpr int64_t kGpuSteps = 500, kGpuBatch = 16, kGpuSeq = 512;
 constexpr double kGpuLr = 6e-4;
