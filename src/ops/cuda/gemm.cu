@@ -213,18 +213,20 @@ void add_bias(const Tensor& d, const Tensor& bias, int64_t rows, int64_t cols,
 // ----------------------------------------------------------------------------
 // cuBLASLt plumbing
 
-/// In deterministic mode cuBLASLt may only pick algorithms that reduce split-K partials in a fixed
-/// order. CUBLASLT_REDUCTION_SCHEME_INPLACE accumulates the K-slices into the output buffer itself
-/// (cublasLt.h: "using the output buffer ... and counters (in workspace)"), so the order in which
-/// slices land follows the CTA schedule; it is the scheme that projects pinning cuBLASLt for
-/// reproducibility mask out. NONE (no split-K), COMPUTE_TYPE and OUTPUT_TYPE (partials staged in
-/// the workspace, then reduced by a separate pass in a fixed order) stay allowed. Beyond that the
-/// cuBLAS guide ("Results reproducibility") promises bitwise-identical results run to run for
-/// one algorithm on one GPU model when the workspace is the caller's, which it is here, and the
-/// algorithm per shape is fixed by the cache below.
-constexpr uint32_t kDeterministicReductions = CUBLASLT_REDUCTION_SCHEME_NONE |
-                                              CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE |
-                                              CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+/// Which split-K reductions cuBLASLt may use: always NONE (no split-K) or COMPUTE_TYPE (FP32
+/// partials staged in the workspace, then reduced by a separate pass in a fixed order).
+/// - OUTPUT_TYPE stages partials in D's type: for a BF16 D that rounds every partial sum, so the
+///   result differs from the one-rounding contract of docs/NUMERICS.md (the first H200 run showed
+///   it: integer-valued BF16-output GEMMs off by one BF16 ulp in 0.1% of elements).
+/// - INPLACE accumulates the K-slices into the output buffer itself (cublasLt.h: "using the output
+///   buffer ... and counters (in workspace)"), so the order in which slices land follows the CTA
+///   schedule: not deterministic, and in D's precision.
+/// With these two excluded every algorithm is deterministic: the cuBLAS guide ("Results
+/// reproducibility") promises bitwise-identical results run to run for one algorithm on one GPU
+/// model when the workspace is the caller's, which it is here, and the algorithm per shape is
+/// fixed by the cache below.
+constexpr uint32_t kAllowedReductions =
+    CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
 /// The largest alignment cuBLASLt distinguishes (its MIN_ALIGNMENT preferences default to 256).
 constexpr uint32_t kMaxAlignment = 256;
 /// FP8 tensor cores arrived with compute capability 8.9 (Ada); Hopper is 9.0.
@@ -425,8 +427,7 @@ bool query_heuristic(const MatmulSpec& spec, Descriptors& desc, bool restrict_re
   OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, spec.align_d);
   OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, spec.align_d);
   if (restrict_reductions) {
-    OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                         kDeterministicReductions);
+    OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, kAllowedReductions);
   }
   cublasLtMatmulHeuristicResult_t result{};
   int count = 0;
@@ -459,7 +460,8 @@ Plan find_plan(const MatmulSpec& spec, const MatmulArgs& args) {
   for (const bool fused_bias : {true, false}) {
     if (fused_bias && !with_bias) continue;
     init_descriptors(spec, args, fused_bias, desc);
-    if (query_heuristic(spec, desc, spec.deterministic, fused_bias || block_scaled, plan.algo)) {
+    if (query_heuristic(spec, desc, /*restrict_reductions=*/true, fused_bias || block_scaled,
+                        plan.algo)) {
       plan.outcome = Outcome::ok;
       plan.fused_bias = fused_bias;
       break;
