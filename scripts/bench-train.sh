@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Training throughput and peak memory on the GPU: octet (FP8 delayed, BF16) against the PyTorch
+# peer (bench/peers/gpt2_torch.py: bf16 autocast, SDPA, fused AdamW, eager and torch.compile) at
+# the same GPT-2 shapes. One JSON line per run into $OUT/train_bench.jsonl.
+#   scripts/bench-train.sh [BUILD_DIR]      (after scripts/gpu-check.sh build)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${1:-build-gpu}"
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+results="$OUT/train_bench.jsonl"
+: >"$results"
+run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to the results
+  local limit=$1; shift
+  local line
+  line=$(timeout "$limit" "$@" 2>"$OUT/bench_train_stderr.log" | grep '^{' | tail -n 1)
+  if [ -n "$line" ]; then echo "$line" | tee -a "$results"; else
+    echo "{\"error\":\"$*: $(tail -n 1 "$OUT/bench_train_stderr.log" | tr -d '"\\')\"}" | tee -a "$results"
+  fi
+}
+for model in gpt2-124m gpt2-1.5b; do
+  for precision in fp8-delayed bf16; do
+    run 150 "$BUILD_DIR/octet" bench train --model "$model" --precision "$precision" \
+      --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup-steps 3
+  done
+  run 240 python3 bench/peers/gpt2_torch.py --model "$model" --batch 8 --seq 1024 --steps 10 \
+    --warmup 3 --mode both
+done
