@@ -13,7 +13,7 @@ results="$OUT/train_bench.jsonl"
 run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to the results
   local limit=$1; shift
   local line
-  line=$(timeout "$limit" "$@" 2>"$OUT/bench_train_stderr.log" | grep '^{' | tail -n 1)
+  line=$(timeout "$limit" "$@" 2>"$OUT/bench_train_stderr.log" | grep '^{')
   if [ -n "$line" ]; then echo "$line" | tee -a "$results"; else
     echo "{\"error\":\"$*: $(tail -n 1 "$OUT/bench_train_stderr.log" | tr -d '"\\')\"}" | tee -a "$results"
   fi
