@@ -215,9 +215,8 @@ void add_bias(const Tensor& d, const Tensor& bias, int64_t rows, int64_t cols,
 
 /// Which split-K reductions cuBLASLt may use: always NONE (no split-K) or COMPUTE_TYPE (FP32
 /// partials staged in the workspace, then reduced by a separate pass in a fixed order).
-/// - OUTPUT_TYPE stages partials in D's type: for a BF16 D that rounds every partial sum, so the
-///   result differs from the one-rounding contract of docs/NUMERICS.md (the first H200 run showed
-///   it: integer-valued BF16-output GEMMs off by one BF16 ulp in 0.1% of elements).
+/// - OUTPUT_TYPE stages partials in D's type: for a BF16 D that rounds every partial sum, against
+///   the one-rounding contract of docs/NUMERICS.md.
 /// - INPLACE accumulates the K-slices into the output buffer itself (cublasLt.h: "using the output
 ///   buffer ... and counters (in workspace)"), so the order in which slices land follows the CTA
 ///   schedule: not deterministic, and in D's precision.
