@@ -22,8 +22,8 @@ using ops::Activation;
 using ops::FusedQuantize;
 using testing::bitwise_equal;
 using testing::close_to;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
 using testing::kF32ElementwiseTol;
 using testing::make_tensor;
 using testing::on;
@@ -325,16 +325,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, ActivationGradient,
 
 // ----------------------------------------------------------------------------
 // Bad inputs
-
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an octet::Error";
-  } catch (const Error& e) {
-    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
-}
 
 TEST(ActivationBadInput, RefusedWithMessages) {
   const Tensor x = Tensor::zeros({4, 8}, DType::f32);

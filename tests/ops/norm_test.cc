@@ -21,8 +21,8 @@ namespace {
 using ops::FusedQuantize;
 using testing::bitwise_equal;
 using testing::close_to;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
 using testing::kF32ReductionTol;
 using testing::make_tensor;
 using testing::on;
@@ -435,17 +435,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, NormDeterminism,
 
 // ----------------------------------------------------------------------------
 // Bad inputs
-
-/// Expects `f` to throw an octet::Error whose message holds every part.
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an octet::Error";
-  } catch (const Error& e) {
-    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
-}
 
 TEST(NormBadInput, RefusedWithMessages) {
   const Tensor x = Tensor::zeros({4, 8}, DType::f32);

@@ -3,16 +3,19 @@
 // cast against ops::quantize on the unfused output.
 #pragma once
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "octet/core/error.h"
 #include "octet/fp8/format.h"
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/ops/norm.h"
@@ -185,6 +188,23 @@ inline void expect_fused_matches_unfused(const Device& device, const Tensor& out
   EXPECT_GT(to_floats(actual_amax)[0], kAmaxBefore) << "amax was not raised";
 }
 
+/// Expects `run` to throw octet::Error with every one of `parts` in its message.
+template <typename Run>
+void expect_error(Run&& run, std::initializer_list<std::string> parts) {
+  try {
+    run();
+    ADD_FAILURE() << "expected an octet::Error mentioning \"" << *parts.begin() << "\"";
+  } catch (const Error& e) {
+    for (const std::string& part : parts) EXPECT_THAT(e.what(), ::testing::HasSubstr(part));
+  }
+}
+
+/// Rounds v to what a tensor of `dtype` (f32 or bf16) holds.
+inline float representable(float v, DType dtype) {
+  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(v)) : v;
+}
+
+/// A backend's name as test case names spell it ("cpu", "cuda0").
 inline std::string device_name(const Device& d) {
   return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
 }
