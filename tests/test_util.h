@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "octet/core/error.h"
 #include "octet/core/tensor.h"
 #include "octet/fp8/format.h"
 
@@ -45,6 +46,19 @@ std::vector<uint8_t> to_bytes(const Tensor& t);
 
 /// Asserts byte-for-byte equality and reports the first differing element.
 ::testing::AssertionResult bitwise_equal(const Tensor& expected, const Tensor& actual);
+
+/// Runs `fn` and returns the octet::Error message it throws ("(no error thrown)" and a failure
+/// when none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an octet::Error";
+  return "(no error thrown)";
+}
 
 /// Relative L2 error ||a - b|| / ||b|| (b is the reference).
 double relative_l2(const std::vector<float>& a, const std::vector<float>& reference);
