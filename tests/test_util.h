@@ -22,6 +22,10 @@ uint64_t fresh_seed();
 /// The backends a parity test runs on: "cpu" always, "cuda:0" always listed (the case skips
 /// itself without a GPU, so the suite's shape is the same everywhere).
 std::vector<Device> all_backends();
+/// A backend's name as test case names spell it ("cpu", "cuda0").
+inline std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
 /// GTEST_SKIP()s the calling test when `device` is a GPU that is not there.
 #define OCTET_SKIP_IF_UNAVAILABLE(device)                                              \
   do {                                                                                 \

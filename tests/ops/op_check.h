@@ -204,9 +204,4 @@ inline float representable(float v, DType dtype) {
   return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(v)) : v;
 }
 
-/// A backend's name as test case names spell it ("cpu", "cuda0").
-inline std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
-
 }  // namespace octet::testing
