@@ -169,14 +169,10 @@ std::pair<Tensor, std::vector<float>> make_input(const Shape& shape, DType dtype
 // ----------------------------------------------------------------------------
 // Parity with the reference
 
-class ActivationParity : public ::testing::TestWithParam<ActCase> {};
+using ActivationParity = testing::SeededParityTest<ActCase>;
 
 TEST_P(ActivationParity, ForwardMatchesDoubleReference) {
   const ActCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const auto [x, xv] = make_input({rows, ops::activation_input_cols(p.act, cols)}, p.dtype, rng);
   const Tensor y = Tensor::empty({rows, cols}, p.dtype, p.backend);
@@ -187,10 +183,6 @@ TEST_P(ActivationParity, ForwardMatchesDoubleReference) {
 
 TEST_P(ActivationParity, BackwardMatchesDoubleReference) {
   const ActCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Shape in_shape = {rows, ops::activation_input_cols(p.act, cols)};
   const auto [x, xv] = make_input(in_shape, p.dtype, rng);
@@ -203,10 +195,6 @@ TEST_P(ActivationParity, BackwardMatchesDoubleReference) {
 
 TEST_P(ActivationParity, FusedCastMatchesUnfused) {
   const ActCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Shape in_shape = {rows, ops::activation_input_cols(p.act, cols)};
   const Tensor x = on(make_input(in_shape, p.dtype, rng).first, p.backend);

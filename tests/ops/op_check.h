@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -125,6 +126,23 @@ inline ::testing::AssertionResult matches_central_differences(
   }
   return ::testing::AssertionSuccess();
 }
+
+/// A parity suite over cases that name a `backend`: each test skips when that backend is missing,
+/// else draws a fresh `seed` (with `rng` seeded by it) and traces it for the whole test.
+template <typename Case>
+class SeededParityTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    OCTET_SKIP_IF_UNAVAILABLE(this->GetParam().backend);
+    trace_.emplace(__FILE__, __LINE__, ::testing::Message() << "seed " << seed);
+  }
+
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng{seed};
+
+ private:
+  std::optional<::testing::ScopedTrace> trace_;
+};
 
 /// One way of fusing an FP8 cast into an op.
 struct FusedCase {
