@@ -104,13 +104,10 @@ std::vector<ForwardCase> forward_cases() {
   return cases;
 }
 
-class EmbeddingForward : public ::testing::TestWithParam<ForwardCase> {};
+using EmbeddingForward = testing::SeededParityTest<ForwardCase>;
 
 TEST_P(EmbeddingForward, EqualsTokenPlusPositionRowsBitwise) {
   const ForwardCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t rows = p.batch * p.seq;
   const int64_t max_seq = p.seq + 3;  // longer than seq: only the first seq rows are used
   const std::vector<int32_t> ids = uniform_ids(rows, p.vocab, seed);
@@ -168,13 +165,10 @@ std::vector<BackwardCase> backward_cases() {
   return cases;
 }
 
-class EmbeddingBackward : public ::testing::TestWithParam<BackwardCase> {};
+using EmbeddingBackward = testing::SeededParityTest<BackwardCase>;
 
 TEST_P(EmbeddingBackward, SumsInIncreasingRowOrderBitwiseAndCloseToFloat64) {
   const BackwardCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t rows = p.batch * p.seq;
   const int64_t max_seq = p.seq + 2;
   const std::vector<int32_t> ids =
@@ -332,13 +326,10 @@ std::vector<int32_t> make_targets(int64_t rows, int64_t vocab, uint64_t seed) {
   return targets;
 }
 
-class CrossEntropy : public ::testing::TestWithParam<CrossEntropyCase> {};
+using CrossEntropy = testing::SeededParityTest<CrossEntropyCase>;
 
 TEST_P(CrossEntropy, MatchesFloat64SoftmaxAndIgnoresNegativeTargets) {
   const CrossEntropyCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   // Logits in [-8, 8]: probabilities span e^-16, so the sums mix very different magnitudes.
   const Tensor logits = testing::random_tensor({p.rows, p.vocab}, p.dtype, seed, 8.0f);
   const std::vector<int32_t> targets = make_targets(p.rows, p.vocab, seed + 1);

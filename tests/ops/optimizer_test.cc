@@ -82,13 +82,10 @@ std::vector<NormCase> norm_cases() {
   return cases;
 }
 
-class GlobalNormSquared : public ::testing::TestWithParam<NormCase> {};
+using GlobalNormSquared = testing::SeededParityTest<NormCase>;
 
 TEST_P(GlobalNormSquared, FollowsTheDocumentedOrderBitwiseAndIsWithinAnUlpOfExact) {
   const NormCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   std::vector<Tensor> grads;
   std::vector<std::vector<float>> values;
   for (size_t i = 0; i < p.shapes.size(); ++i) {
@@ -147,13 +144,10 @@ std::string adamw_name(const ::testing::TestParamInfo<AdamWCase>& info) {
          (p.max_grad_norm > 0 ? "_clip" : "_noclip") + (p.weight_decay > 0 ? "_wd" : "");
 }
 
-class AdamWStep : public ::testing::TestWithParam<AdamWCase> {};
+using AdamWStep = testing::SeededParityTest<AdamWCase>;
 
 TEST_P(AdamWStep, MatchesFloat64AdamWWithClipping) {
   const AdamWCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   ops::AdamWArgs args;
   args.lr = 1e-3f;
   args.weight_decay = p.weight_decay;

@@ -196,14 +196,10 @@ void expect_matches_reference(const ref::Quantized& expected, const QuantizedTen
   }
 }
 
-class QuantizeParity : public ::testing::TestWithParam<QuantizeCase> {};
+using QuantizeParity = testing::SeededParityTest<QuantizeCase>;
 
 TEST_P(QuantizeParity, MatchesReferenceBitExactly) {
   const QuantizeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const float magnitude = draw_magnitude(rng);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const std::vector<float> values = make_input(rows, cols, p.input, rng(), magnitude);
@@ -280,13 +276,10 @@ std::vector<SpecialCase> special_cases() {
   return cases;
 }
 
-class QuantizeSpecialValues : public ::testing::TestWithParam<SpecialCase> {};
+using QuantizeSpecialValues = testing::SeededParityTest<SpecialCase>;
 
 TEST_P(QuantizeSpecialValues, MatchesReferenceBitExactly) {
   const SpecialCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   // Partial 128-tiles on both edges; rows [128, 256) x cols [128, 256) is one whole zero tile.
   constexpr int64_t kRows = 300, kCols = 260, kPlantRows = 128;
   std::mt19937_64 rng(seed);
@@ -372,14 +365,10 @@ std::string dtype_case_name(const ::testing::TestParamInfo<DTypeCase>& info) {
 // ----------------------------------------------------------------------------
 // amax
 
-class AmaxParity : public ::testing::TestWithParam<DTypeCase> {};
+using AmaxParity = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
   const DTypeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const float magnitude = draw_magnitude(rng);
   const std::vector<float> values =
       make_input(p.shape.rows, p.shape.cols, p.input, rng(), magnitude);
@@ -406,14 +395,10 @@ TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, AmaxParity, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
 
-class AmaxNaN : public ::testing::TestWithParam<DTypeCase> {};
+using AmaxNaN = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(AmaxNaN, NaNWinsWhereverItIs) {
   const DTypeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t n = p.shape.rows * p.shape.cols;
   std::vector<float> values = make_input(p.shape.rows, p.shape.cols, p.input, rng(), 1.0f);
   // Two quiet NaNs with different payloads, one negative, and an inf: the larger |NaN| pattern
@@ -435,14 +420,10 @@ INSTANTIATE_TEST_SUITE_P(Ops, AmaxNaN, ::testing::ValuesIn(dtype_cases(false)), 
 // ----------------------------------------------------------------------------
 // cast
 
-class CastParity : public ::testing::TestWithParam<DTypeCase> {};
+using CastParity = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(CastParity, RoundsToNearestEven) {
   const DTypeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const Shape shape = {p.shape.rows, p.shape.cols};
   const int64_t n = shape_numel(shape);
   // Every bit pattern is fair: NaNs, infinities, subnormals; plus the two bf16 ties.
