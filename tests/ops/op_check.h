@@ -14,6 +14,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "octet/core/error.h"
@@ -127,13 +128,24 @@ inline ::testing::AssertionResult matches_central_differences(
   return ::testing::AssertionSuccess();
 }
 
-/// A parity suite over cases that name a `backend`: each test skips when that backend is missing,
-/// else draws a fresh `seed` (with `rng` seeded by it) and traces it for the whole test.
+/// The device a test case runs on: its `backend` member, or the first element of a tuple.
+template <typename Case>
+Device backend_of(const Case& c) {
+  if constexpr (requires { c.backend; }) {
+    return c.backend;
+  } else {
+    return std::get<0>(c);
+  }
+}
+
+/// A parity suite over cases that name a backend (see backend_of): each test skips when that
+/// backend is missing, else draws a fresh `seed` (with `rng` seeded by it) and traces it for the
+/// whole test.
 template <typename Case>
 class SeededParityTest : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    OCTET_SKIP_IF_UNAVAILABLE(this->GetParam().backend);
+    OCTET_SKIP_IF_UNAVAILABLE(backend_of(this->GetParam()));
     trace_.emplace(__FILE__, __LINE__, ::testing::Message() << "seed " << seed);
   }
 
