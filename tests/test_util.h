@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "octet/core/error.h"
 #include "octet/core/tensor.h"
 #include "octet/fp8/format.h"
 
@@ -21,6 +22,10 @@ uint64_t fresh_seed();
 /// The backends a parity test runs on: "cpu" always, "cuda:0" always listed (the case skips
 /// itself without a GPU, so the suite's shape is the same everywhere).
 std::vector<Device> all_backends();
+/// A backend's name as test case names spell it ("cpu", "cuda0").
+inline std::string device_name(const Device& d) {
+  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+}
 /// GTEST_SKIP()s the calling test when `device` is a GPU that is not there.
 #define OCTET_SKIP_IF_UNAVAILABLE(device)                                              \
   do {                                                                                 \
@@ -45,6 +50,19 @@ std::vector<uint8_t> to_bytes(const Tensor& t);
 
 /// Asserts byte-for-byte equality and reports the first differing element.
 ::testing::AssertionResult bitwise_equal(const Tensor& expected, const Tensor& actual);
+
+/// Runs `fn` and returns the octet::Error message it throws ("(no error thrown)" and a failure
+/// when none).
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an octet::Error";
+  return "(no error thrown)";
+}
 
 /// Relative L2 error ||a - b|| / ||b|| (b is the reference).
 double relative_l2(const std::vector<float>& a, const std::vector<float>& reference);

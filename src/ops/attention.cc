@@ -17,8 +17,6 @@ namespace {
 /// Every extent must fit the kernels' 32-bit loop counters.
 constexpr int64_t kMaxExtent = INT32_MAX;
 
-using NamedTensors = std::vector<std::pair<const Tensor*, const char*>>;
-
 std::string shape_text(const AttentionShape& s) {
   return detail::concat("(batch=", s.batch, ", seq=", s.seq, ", heads=", s.heads,
                         ", head_dim=", s.head_dim, ")");
@@ -65,15 +63,6 @@ void check_lse(const Tensor& lse, const AttentionShape& s, const char* op) {
               shape_text(s), ", got ", lse.describe());
 }
 
-/// Throws unless every tensor is on the first one's device, naming the first that is not.
-void check_same_device(const NamedTensors& tensors, const char* op) {
-  const auto& [first, first_name] = tensors.front();
-  for (const auto& [t, name] : tensors) {
-    OCTET_CHECK(t->device() == first->device(), op, ": all tensors must be on one device, got ",
-                first_name, " ", first->describe(), " and ", name, " ", t->describe());
-  }
-}
-
 /// Throws when the output `a` shares bytes with `b` (the kernels read b while writing a).
 void check_disjoint(const Tensor& a, const char* a_name, const Tensor& b, const char* b_name,
                     const char* op) {
@@ -102,11 +91,7 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
 
   dispatch(
       qkv.device(), op, [&] { cpu::attention_forward(qkv, shape, out, lse); },
-      [&] {
-#if OCTET_WITH_CUDA
-        cuda::attention_forward(qkv, shape, out, lse);
-#endif
-      });
+      [&] { OCTET_CUDA_ONLY(cuda::attention_forward(qkv, shape, out, lse)); });
 }
 
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
@@ -126,16 +111,12 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
                     op);
   for (const auto& [t, name] :
        NamedTensors{{&qkv, "qkv"}, {&out, "out"}, {&dout, "dout"}, {&lse, "lse"}}) {
-    check_disjoint(dqkv, "dqkv", *t, name, op);
+    check_disjoint(dqkv, "dqkv", *t, name.c_str(), op);
   }
 
   dispatch(
       qkv.device(), op, [&] { cpu::attention_backward(dout, qkv, out, lse, shape, dqkv); },
-      [&] {
-#if OCTET_WITH_CUDA
-        cuda::attention_backward(dout, qkv, out, lse, shape, dqkv);
-#endif
-      });
+      [&] { OCTET_CUDA_ONLY(cuda::attention_backward(dout, qkv, out, lse, shape, dqkv)); });
 }
 
 void rope(const Tensor& qkv, const AttentionShape& shape, float theta, bool inverse) {
@@ -150,11 +131,7 @@ void rope(const Tensor& qkv, const AttentionShape& shape, float theta, bool inve
 
   dispatch(
       qkv.device(), op, [&] { cpu::rope(qkv, shape, theta, inverse); },
-      [&] {
-#if OCTET_WITH_CUDA
-        cuda::rope(qkv, shape, theta, inverse);
-#endif
-      });
+      [&] { OCTET_CUDA_ONLY(cuda::rope(qkv, shape, theta, inverse)); });
 }
 
 }  // namespace octet::ops

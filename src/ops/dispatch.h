@@ -3,10 +3,21 @@
 #pragma once
 
 #include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "core/nvtx.h"
 #include "octet/core/device.h"
 #include "octet/core/tensor.h"
+
+/// Wraps a cuda:: call in a dispatcher's on_cuda branch, which dispatch() never reaches in a
+/// build without CUDA.
+#if OCTET_WITH_CUDA
+#define OCTET_CUDA_ONLY(call) call
+#else
+#define OCTET_CUDA_ONLY(call)
+#endif
 
 namespace octet::ops {
 
@@ -34,6 +45,17 @@ inline void check_float_activation(const Tensor& t, const char* op, const char* 
   OCTET_CHECK(t.dtype() == DType::f32 || t.dtype() == DType::bf16, op, ": unsupported dtype for ",
               what, ": expected f32 or bf16, got ", t.describe());
   OCTET_CHECK(t.numel() > 0, op, ": ", what, " is an empty tensor (", t.describe(), ")");
+}
+
+/// Tensors with the names that error messages give them.
+using NamedTensors = std::vector<std::pair<const Tensor*, std::string>>;
+
+/// Throws unless every tensor is on the first one's device, naming the first that is not.
+inline void check_same_device(const NamedTensors& tensors, const char* op) {
+  const auto& [first, first_name] = tensors.front();
+  for (const auto& [t, name] : tensors)
+    OCTET_CHECK(t->device() == first->device(), op, ": all tensors must be on one device, got ",
+                first_name, " ", first->describe(), " and ", name, " ", t->describe());
 }
 
 }  // namespace octet::ops

@@ -103,9 +103,7 @@ void embedding_forward(const Tensor& ids, const Tensor& wte, const Tensor& wpe, 
   dispatch(
       device, op, [&] { cpu::embedding_forward(ids, wte, wpe, seq, out); },
       [&] {
-#if OCTET_WITH_CUDA
-        cuda::embedding_forward(ids, wte, wpe, seq, out, check_ids_requested());
-#endif
+        OCTET_CUDA_ONLY(cuda::embedding_forward(ids, wte, wpe, seq, out, check_ids_requested()));
       });
 }
 
@@ -123,9 +121,8 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, int64_t seq, cons
   dispatch(
       device, op, [&] { cpu::embedding_backward(ids, dout, seq, dwte, dwpe); },
       [&] {
-#if OCTET_WITH_CUDA
-        cuda::embedding_backward(ids, dout, seq, dwte, dwpe, check_ids_requested());
-#endif
+        OCTET_CUDA_ONLY(
+            cuda::embedding_backward(ids, dout, seq, dwte, dwpe, check_ids_requested()));
       });
 }
 
@@ -155,9 +152,8 @@ void cross_entropy(const Tensor& logits, const Tensor& targets, const Tensor& lo
   dispatch(
       device, op, [&] { cpu::cross_entropy(logits, targets, losses, dlogits, grad_scale); },
       [&] {
-#if OCTET_WITH_CUDA
-        cuda::cross_entropy(logits, targets, losses, dlogits, grad_scale, check_ids_requested());
-#endif
+        OCTET_CUDA_ONLY(cuda::cross_entropy(logits, targets, losses, dlogits, grad_scale,
+                                            check_ids_requested()));
       });
 }
 

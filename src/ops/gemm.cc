@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "core/nvtx.h"
+#include "ops/dispatch.h"
 #include "ops/gemm_backend.h"
 
 namespace octet::ops {
@@ -168,18 +168,9 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
   const Tensor* bias = args.bias.defined() ? &args.bias : nullptr;
   const Device device = common_device({&a.data, a_scale, &b.data, b_scale, &d, bias}, "gemm");
 
-  DeviceGuard guard(device);
-  NvtxRange range("octet::ops::gemm");
-  if (device.is_cpu()) {
-    cpu::gemm(a, b, d, args, shape);
-    return;
-  }
-#if OCTET_WITH_CUDA
-  cuda::gemm(a, b, d, args, shape);
-#else
-  OCTET_ERROR("gemm: tensors are on ", device.str(),
-              " but octet was built without CUDA; expected CPU tensors");
-#endif
+  dispatch(
+      device, "gemm", [&] { cpu::gemm(a, b, d, args, shape); },
+      [&] { OCTET_CUDA_ONLY(cuda::gemm(a, b, d, args, shape)); });
 }
 
 }  // namespace octet::ops

@@ -28,14 +28,6 @@ struct FusedCast {
 void check_like(const Tensor& t, const Tensor& like, const char* op, const char* name,
                 const char* like_name);
 
-/// Wraps a cuda:: call in a dispatcher's on_cuda branch, which dispatch() never reaches in a
-/// build without CUDA.
-#if OCTET_WITH_CUDA
-#define OCTET_CUDA_ONLY(call) call
-#else
-#define OCTET_CUDA_ONLY(call)
-#endif
-
 /// How an op honours its optional FusedQuantize. The CUDA backend casts the row-wise per-tensor
 /// copy in its kernel (kernel_cast()); everything else (the CPU, block scaling modes, the
 /// transposed copy) is ops::quantize on the finished output, run by finish(). The CPU path is the

@@ -60,11 +60,7 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
 
   dispatch(
       norm_sq.device(), op, [&] { cpu::global_norm_squared(grads, count, norm_sq); },
-      [&] {
-#if OCTET_WITH_CUDA
-        cuda::global_norm_squared(grads, count, norm_sq);
-#endif
-      });
+      [&] { OCTET_CUDA_ONLY(cuda::global_norm_squared(grads, count, norm_sq)); });
 }
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
@@ -86,11 +82,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
 
   dispatch(
       device, op, [&] { cpu::adamw_step(param, grad, m, v, norm_sq, coefficients); },
-      [&] {
-#if OCTET_WITH_CUDA
-        cuda::adamw_step(param, grad, m, v, norm_sq, coefficients);
-#endif
-      });
+      [&] { OCTET_CUDA_ONLY(cuda::adamw_step(param, grad, m, v, norm_sq, coefficients)); });
 }
 
 }  // namespace octet::ops

@@ -1,9 +1,9 @@
 // Dispatcher of the quantize family: validates every argument (messages name what was expected
-// and what was received), then runs the backend of the tensors' device under a device guard and
-// an NVTX range. Backends (quantize_backend.h) may assume what is checked here.
+// and what was received), then runs the backend of the tensors' device through dispatch() (device
+// guard + NVTX range). Backends (quantize_backend.h) may assume what is checked here.
 #include "octet/ops/quantize.h"
 
-#include "core/nvtx.h"
+#include "ops/dispatch.h"
 #include "ops/quantize_backend.h"
 
 namespace octet::ops {
@@ -65,31 +65,6 @@ void check_quantized(const QuantizedTensor& q, const char* op) {
   }
 }
 
-/// Refuses a GPU device by name when octet was built without the CUDA backend.
-void check_backend_built(const Device& device, const char* op) {
-  OCTET_CHECK(device.is_cpu() || built_with_cuda(), op, ": tensors are on ", device,
-              ", but octet was built without CUDA; expected cpu tensors");
-}
-
-#if OCTET_WITH_CUDA
-#define OCTET_IF_CUDA(call) call
-#else
-#define OCTET_IF_CUDA(call)  // unreachable: check_backend_built threw
-#endif
-
-/// Runs cpu::fn or cuda::fn for `device` under a device guard and an NVTX range.
-#define OCTET_DISPATCH(fn, device, ...)     \
-  do {                                      \
-    check_backend_built(device, #fn);       \
-    DeviceGuard guard_(device);             \
-    NvtxRange range_("octet::" #fn);        \
-    if ((device).is_cpu()) {                \
-      cpu::fn(__VA_ARGS__);                 \
-    } else {                                \
-      OCTET_IF_CUDA(cuda::fn(__VA_ARGS__)); \
-    }                                       \
-  } while (false)
-
 }  // namespace
 
 void amax(const Tensor& x, const Tensor& amax_out) {
@@ -98,7 +73,9 @@ void amax(const Tensor& x, const Tensor& amax_out) {
   OCTET_CHECK(amax_out.defined(), "amax: amax_out is an undefined tensor; expected f32[>=1]");
   check_f32_scalar(amax_out, "amax", "amax_out", 1);
   const Device device = common_device({&x, &amax_out}, "amax");
-  OCTET_DISPATCH(amax, device, x, amax_out);
+  dispatch(
+      device, "amax", [&] { cpu::amax(x, amax_out); },
+      [&] { OCTET_CUDA_ONLY(cuda::amax(x, amax_out)); });
 }
 
 void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
@@ -121,7 +98,9 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
       common_device({&x, if_defined(out.data), if_defined(out.scale_inv), if_defined(out.data_t),
                      if_defined(out.scale_inv_t), if_defined(args.scale), if_defined(args.amax)},
                     "quantize");
-  OCTET_DISPATCH(quantize, device, x, out, args);
+  dispatch(
+      device, "quantize", [&] { cpu::quantize(x, out, args); },
+      [&] { OCTET_CUDA_ONLY(cuda::quantize(x, out, args)); });
 }
 
 void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {
@@ -137,7 +116,9 @@ void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {
   const Tensor& data = transposed ? q.data_t : q.data;
   const Tensor& scale_inv = transposed ? q.scale_inv_t : q.scale_inv;
   const Device device = common_device({&data, &scale_inv, &out}, "dequantize");
-  OCTET_DISPATCH(dequantize, device, q, out, transposed);
+  dispatch(
+      device, "dequantize", [&] { cpu::dequantize(q, out, transposed); },
+      [&] { OCTET_CUDA_ONLY(cuda::dequantize(q, out, transposed)); });
 }
 
 void cast(const Tensor& x, const Tensor& out) {
@@ -147,7 +128,8 @@ void cast(const Tensor& x, const Tensor& out) {
               shape_str(x.shape()), " (as x), received ", out.describe());
   const Device device = common_device({&x, &out}, "cast");
   if (x.numel() == 0) return;  // nothing to convert
-  OCTET_DISPATCH(cast, device, x, out);
+  dispatch(
+      device, "cast", [&] { cpu::cast(x, out); }, [&] { OCTET_CUDA_ONLY(cuda::cast(x, out)); });
 }
 
 }  // namespace octet::ops

@@ -1,6 +1,6 @@
 #include "octet/ops/reduce.h"
 
-#include "core/nvtx.h"
+#include "ops/dispatch.h"
 #include "ops/reduce_backend.h"
 
 namespace octet::ops {
@@ -17,17 +17,9 @@ void sum_rows(const Tensor& x, const Tensor& out, bool accumulate) {
     if (!accumulate) Tensor(out).zero();  // a handle to the same storage
     return;
   }
-  NvtxRange range("octet::sum_rows");
-  DeviceGuard guard(device);
-  if (device.is_cpu()) {
-    cpu::sum_rows(x, out, accumulate);
-  } else {
-#if OCTET_WITH_CUDA
-    cuda::sum_rows(x, out, accumulate);
-#else
-    OCTET_ERROR("sum_rows: tensors on ", device, ", but octet was built without CUDA");
-#endif
-  }
+  dispatch(
+      device, "sum_rows", [&] { cpu::sum_rows(x, out, accumulate); },
+      [&] { OCTET_CUDA_ONLY(cuda::sum_rows(x, out, accumulate)); });
 }
 
 }  // namespace octet::ops

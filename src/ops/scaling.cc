@@ -1,14 +1,12 @@
-// Dispatcher of the scaling family: validates arguments, then runs the CPU or CUDA backend under a
-// DeviceGuard for the tensors' device and an NVTX range.
+// Dispatcher of the scaling family: validates arguments, then runs the CPU or CUDA backend through
+// dispatch() (device guard + NVTX range).
 #include "octet/ops/scaling.h"
 
 #include <cmath>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include "core/nvtx.h"
-#include "octet/core/device.h"
+#include "ops/dispatch.h"
 #include "ops/scaling_backend.h"
 
 namespace octet::ops {
@@ -30,31 +28,6 @@ void check_f32_shape(const Tensor& t, const Shape& shape, const char* op, const 
               shape_str(shape), ", got ", t.describe());
 }
 
-/// Throws unless every tensor is on the first one's device, naming the first that is not.
-void check_same_device(const std::vector<std::pair<const Tensor*, std::string>>& tensors,
-                       const char* op) {
-  const auto& [first, first_name] = tensors.front();
-  for (const auto& [t, name] : tensors)
-    OCTET_CHECK(t->device() == first->device(), op, ": all tensors must be on one device, got ",
-                first_name, " ", first->describe(), " and ", name, " ", t->describe());
-}
-
-/// Runs `on_cpu` or `on_cuda` for `device` under a device guard and an NVTX range named `op`.
-template <typename OnCpu, typename OnCuda>
-void dispatch(const Device& device, const char* op, OnCpu on_cpu, OnCuda on_cuda) {
-#if !OCTET_WITH_CUDA
-  OCTET_CHECK(device.is_cpu(), op, ": tensors on ", device,
-              " need the CUDA backend, but octet was built without CUDA");
-#endif
-  DeviceGuard guard(device);
-  NvtxRange range(op);
-  if (device.is_cpu()) {
-    on_cpu();
-  } else {
-    on_cuda();
-  }
-}
-
 }  // namespace
 
 void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, fp8::AmaxAlgo algo) {
@@ -68,7 +41,7 @@ void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, f
               "; expected max or most_recent");
   if (count == 0) return;
 
-  std::vector<std::pair<const Tensor*, std::string>> tensors;
+  NamedTensors tensors;
   for (int g = 0; g < count; ++g) {
     const ScalingGroup& group = groups[g];
     const std::string prefix = "group " + std::to_string(g) + " ";
@@ -91,11 +64,7 @@ void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, f
   dispatch(
       groups[0].amax_history.device(), op,
       [&] { cpu::update_delayed_scaling(groups, count, margin, algo); },
-      [&] {
-#if OCTET_WITH_CUDA
-        cuda::update_delayed_scaling(groups, count, margin, algo);
-#endif
-      });
+      [&] { OCTET_CUDA_ONLY(cuda::update_delayed_scaling(groups, count, margin, algo)); });
 }
 
 void compute_current_scale(const Tensor& amax, const Tensor& scale, const Tensor& scale_inv,
@@ -112,9 +81,7 @@ void compute_current_scale(const Tensor& amax, const Tensor& scale, const Tensor
       amax.device(), op,
       [&] { cpu::compute_current_scale(amax, scale, scale_inv, fp8_max, power_of_2); },
       [&] {
-#if OCTET_WITH_CUDA
-        cuda::compute_current_scale(amax, scale, scale_inv, fp8_max, power_of_2);
-#endif
+        OCTET_CUDA_ONLY(cuda::compute_current_scale(amax, scale, scale_inv, fp8_max, power_of_2));
       });
 }
 

@@ -15,18 +15,8 @@
 namespace octet {
 namespace {
 
+using testing::error_of;
 using ::testing::HasSubstr;
-
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an octet::Error";
-  return "";
-}
 
 TEST(Device, ParseAcceptsCpuCudaAndCudaN) {
   EXPECT_EQ(Device::parse("cpu"), Device::cpu());

@@ -11,19 +11,8 @@
 namespace octet {
 namespace {
 
+using testing::error_of;
 using ::testing::HasSubstr;
-
-/// Runs `fn` and returns the octet::Error message it throws ("" and a failure when none).
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an octet::Error";
-  return "";
-}
 
 Tensor iota(const Shape& shape) {
   std::vector<float> values(shape_numel(shape));

@@ -23,23 +23,12 @@ using fp8::Recipe;
 using fp8::RecipeKind;
 using fp8::ScalingMode;
 using fp8::TensorRole;
+using testing::error_of;
 using ::testing::HasSubstr;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr TensorRole kRoles[] = {TensorRole::input, TensorRole::weight, TensorRole::grad_output};
-
-/// Runs `fn` and returns the octet::Error message it throws ("" and a failure when none).
-template <typename Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected an octet::Error";
-  return "";
-}
 
 // ---------------------------------------------------------------------------------------------
 // Recipes

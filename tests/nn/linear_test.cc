@@ -7,25 +7,18 @@
 #include <cmath>
 #include <tuple>
 
+#include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
 #include "test_util.h"
-
-namespace octet::fp8 {
-/// Readable test parameters (the struct's padding bytes would print as noise).
-inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.name(); }
-}  // namespace octet::fp8
 
 namespace octet::nn {
 namespace {
 
 using fp8::Recipe;
+using testing::device_name;
 using testing::fresh_seed;
 using ::testing::HasSubstr;
 using testing::to_floats;
-
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
 
 // ----------------------------------------------------------------------------
 // FP32: finite-difference gradients

@@ -6,14 +6,10 @@
 #include <functional>
 #include <tuple>
 
+#include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
 #include "octet/nn/linear_stack.h"
 #include "test_util.h"
-
-namespace octet::fp8 {
-/// Readable test parameters (the struct's padding bytes would print as noise).
-inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.name(); }
-}  // namespace octet::fp8
 
 namespace octet::nn {
 namespace {
@@ -21,24 +17,12 @@ namespace {
 using fp8::Recipe;
 using fp8::TensorRole;
 using testing::bitwise_equal;
+using testing::device_name;
 using testing::fresh_seed;
-
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
+using testing::state_tensors;
 
 using RecomputeParam = std::tuple<Device, Recipe>;
 class RecomputeTest : public ::testing::TestWithParam<RecomputeParam> {};
-
-/// Every tensor of an FP8 state, for bitwise comparison of two runs.
-std::vector<Tensor> state_tensors(const FP8State& state) {
-  std::vector<Tensor> out;
-  for (Pass pass : {Pass::forward, Pass::backward}) {
-    const ops::ScalingGroup& g = state.group(pass);
-    out.insert(out.end(), {g.amax_history, g.scale, g.scale_inv, state.last_amax(pass)});
-  }
-  return out;
-}
 
 /// All bytes of one forward's Saved record.
 std::vector<Tensor> saved_tensors(const Linear::Saved& s) {

@@ -12,6 +12,7 @@
 #include <random>
 #include <tuple>
 
+#include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
 #include "test_util.h"
 
@@ -20,13 +21,11 @@ namespace {
 
 using fp8::Recipe;
 using testing::bitwise_equal;
+using testing::device_name;
 using testing::fresh_seed;
 using ::testing::HasSubstr;
+using testing::state_tensors;
 using testing::to_floats;
-
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
 
 // Sizes every FP8 GEMM accepts (multiples of 16), small enough for the CPU reference.
 constexpr int64_t kBatch = 2;
@@ -162,16 +161,6 @@ std::vector<BlockPrecision> all_precisions() {
           {"fp8_current", DType::bf16, Recipe::current()},
           {"fp8_block", DType::bf16, Recipe::block()},
           {"fp8_mxfp8", DType::bf16, Recipe::mxfp8()}};
-}
-
-/// Every tensor of an FP8 state.
-std::vector<Tensor> state_tensors(const FP8State& state) {
-  std::vector<Tensor> out;
-  for (Pass pass : {Pass::forward, Pass::backward}) {
-    const ops::ScalingGroup& g = state.group(pass);
-    out.insert(out.end(), {g.amax_history, g.scale, g.scale_inv, state.last_amax(pass)});
-  }
-  return out;
 }
 
 constexpr int kMicrobatches = 3;

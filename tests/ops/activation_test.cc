@@ -22,8 +22,8 @@ using ops::Activation;
 using ops::FusedQuantize;
 using testing::bitwise_equal;
 using testing::close_to;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
 using testing::kF32ElementwiseTol;
 using testing::make_tensor;
 using testing::on;
@@ -169,14 +169,10 @@ std::pair<Tensor, std::vector<float>> make_input(const Shape& shape, DType dtype
 // ----------------------------------------------------------------------------
 // Parity with the reference
 
-class ActivationParity : public ::testing::TestWithParam<ActCase> {};
+using ActivationParity = testing::SeededParityTest<ActCase>;
 
 TEST_P(ActivationParity, ForwardMatchesDoubleReference) {
   const ActCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const auto [x, xv] = make_input({rows, ops::activation_input_cols(p.act, cols)}, p.dtype, rng);
   const Tensor y = Tensor::empty({rows, cols}, p.dtype, p.backend);
@@ -187,10 +183,6 @@ TEST_P(ActivationParity, ForwardMatchesDoubleReference) {
 
 TEST_P(ActivationParity, BackwardMatchesDoubleReference) {
   const ActCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Shape in_shape = {rows, ops::activation_input_cols(p.act, cols)};
   const auto [x, xv] = make_input(in_shape, p.dtype, rng);
@@ -203,10 +195,6 @@ TEST_P(ActivationParity, BackwardMatchesDoubleReference) {
 
 TEST_P(ActivationParity, FusedCastMatchesUnfused) {
   const ActCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Shape in_shape = {rows, ops::activation_input_cols(p.act, cols)};
   const Tensor x = on(make_input(in_shape, p.dtype, rng).first, p.backend);
@@ -325,16 +313,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, ActivationGradient,
 
 // ----------------------------------------------------------------------------
 // Bad inputs
-
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an octet::Error";
-  } catch (const Error& e) {
-    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
-}
 
 TEST(ActivationBadInput, RefusedWithMessages) {
   const Tensor x = Tensor::zeros({4, 8}, DType::f32);

@@ -15,14 +15,15 @@
 #include <vector>
 
 #include "octet/fp8/format.h"
+#include "ops/op_check.h"
 #include "test_util.h"
 
 namespace octet {
 namespace {
 
 using ops::AttentionShape;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
 using testing::random_tensor;
 using testing::relative_l2;
 using testing::to_bytes;
@@ -438,16 +439,6 @@ class AttentionValidation : public ::testing::Test {
   Tensor lse = Tensor::empty(lse_shape(s), DType::f32);
   Tensor dout = random_tensor(out_shape(s), DType::f32, 2);
   Tensor dqkv = Tensor::empty(qkv_shape(s), DType::f32);
-
-  template <typename F>
-  static void expect_error(F&& f, std::initializer_list<const char*> parts) {
-    try {
-      f();
-      ADD_FAILURE() << "no error";
-    } catch (const Error& e) {
-      for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-    }
-  }
 };
 
 TEST_F(AttentionValidation, ShapesMustMatchTheAttentionShape) {

@@ -19,26 +19,24 @@
 
 #include "octet/core/determinism.h"
 #include "ops/embedding_backend.h"
+#include "ops/op_check.h"
 #include "test_util.h"
 
 namespace octet {
 namespace {
 
 using testing::bitwise_equal;
+using testing::device_name;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
+using testing::make_tensor;
+using testing::on;
+using testing::representable;
 using testing::to_bytes;
 using testing::to_floats;
 
 // ----------------------------------------------------------------------------
 // Helpers
-
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
-
-/// A tensor's copy on `device`, or the tensor itself when it is already there.
-Tensor on(const Tensor& t, const Device& device) { return t.device() == device ? t : t.to(device); }
 
 Tensor int_tensor(const std::vector<int32_t>& values, const Shape& shape) {
   Tensor t = Tensor::empty(shape, DType::i32);
@@ -67,35 +65,6 @@ std::vector<int32_t> skewed_ids(int64_t n, int64_t vocab, uint64_t seed) {
   std::vector<int32_t> ids(n);
   for (auto& id : ids) id = label[rank(rng)];
   return ids;
-}
-
-/// Rounds v to what a tensor of `dtype` (f32 or bf16) holds.
-float representable(float v, DType dtype) {
-  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(v)) : v;
-}
-
-/// A CPU tensor of `dtype` holding `values` (each rounded to the dtype).
-Tensor make_tensor(const std::vector<float>& values, const Shape& shape, DType dtype) {
-  Tensor t = Tensor::empty(shape, dtype);
-  for (size_t i = 0; i < values.size(); ++i) {
-    if (dtype == DType::f32) {
-      t.data<float>()[i] = values[i];
-    } else {
-      static_cast<uint16_t*>(t.raw_data())[i] = fp8::encode_bf16(values[i]);
-    }
-  }
-  return t;
-}
-
-/// Expects `run` to throw octet::Error with every one of `parts` in its message.
-template <typename Run>
-void expect_error(Run&& run, std::initializer_list<std::string> parts) {
-  try {
-    run();
-    ADD_FAILURE() << "expected an octet::Error mentioning \"" << *parts.begin() << "\"";
-  } catch (const Error& e) {
-    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
 }
 
 /// Requests determinism for one scope (the API flag).
@@ -135,13 +104,10 @@ std::vector<ForwardCase> forward_cases() {
   return cases;
 }
 
-class EmbeddingForward : public ::testing::TestWithParam<ForwardCase> {};
+using EmbeddingForward = testing::SeededParityTest<ForwardCase>;
 
 TEST_P(EmbeddingForward, EqualsTokenPlusPositionRowsBitwise) {
   const ForwardCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t rows = p.batch * p.seq;
   const int64_t max_seq = p.seq + 3;  // longer than seq: only the first seq rows are used
   const std::vector<int32_t> ids = uniform_ids(rows, p.vocab, seed);
@@ -199,13 +165,10 @@ std::vector<BackwardCase> backward_cases() {
   return cases;
 }
 
-class EmbeddingBackward : public ::testing::TestWithParam<BackwardCase> {};
+using EmbeddingBackward = testing::SeededParityTest<BackwardCase>;
 
 TEST_P(EmbeddingBackward, SumsInIncreasingRowOrderBitwiseAndCloseToFloat64) {
   const BackwardCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t rows = p.batch * p.seq;
   const int64_t max_seq = p.seq + 2;
   const std::vector<int32_t> ids =
@@ -363,13 +326,10 @@ std::vector<int32_t> make_targets(int64_t rows, int64_t vocab, uint64_t seed) {
   return targets;
 }
 
-class CrossEntropy : public ::testing::TestWithParam<CrossEntropyCase> {};
+using CrossEntropy = testing::SeededParityTest<CrossEntropyCase>;
 
 TEST_P(CrossEntropy, MatchesFloat64SoftmaxAndIgnoresNegativeTargets) {
   const CrossEntropyCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   // Logits in [-8, 8]: probabilities span e^-16, so the sums mix very different magnitudes.
   const Tensor logits = testing::random_tensor({p.rows, p.vocab}, p.dtype, seed, 8.0f);
   const std::vector<int32_t> targets = make_targets(p.rows, p.vocab, seed + 1);

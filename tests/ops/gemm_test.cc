@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "octet/fp8/format.h"
+#include "ops/op_check.h"
 #include "test_util.h"
 
 namespace octet::ops {
@@ -26,7 +27,7 @@ namespace {
 
 using fp8::ScalingMode;
 using octet::testing::fresh_seed;
-using ::testing::HasSubstr;
+using testing::expect_error;
 
 // ----------------------------------------------------------------------------
 // Tolerances (relative L2 error against the double-precision reference)
@@ -476,8 +477,8 @@ double random_tolerance(const GemmCase& c) {
                                          std::sqrt(static_cast<double>(c.dims.k)));
   if (c.backend.is_cuda() && c.operands != Operands::f32)
     tolerance = c.accumulation == Accumulation::fast ? kFastAccumulationRelL2
-                : c.operands == Operands::bf16           ? kTensorCoreRelL2
-                                                         : kFp8TensorCoreRelL2;
+                : c.operands == Operands::bf16       ? kTensorCoreRelL2
+                                                     : kFp8TensorCoreRelL2;
   if (c.out == DType::bf16) tolerance += kBf16OutputRelL2;
   return tolerance;
 }
@@ -598,9 +599,8 @@ TEST_P(GemmAccumulate, BetaOneSumsThreeCalls) {
     const std::vector<double> ref = reference(a, b, dims, rows, e, expected, {});
     for (size_t i = 0; i < ref.size(); ++i) expected[i] = stored_value(ref[i], c.out);
   }
-  EXPECT_TRUE(
-      exactly_equal(octet::testing::to_floats(d), expected, c.backend.is_cuda(), rows, dims.n,
-                    c.backend.is_cuda() && c.out == DType::bf16));
+  EXPECT_TRUE(exactly_equal(octet::testing::to_floats(d), expected, c.backend.is_cuda(), rows,
+                            dims.n, c.backend.is_cuda() && c.out == DType::bf16));
 }
 
 std::vector<AccumulateCase> accumulate_cases() {
@@ -770,17 +770,6 @@ TEST(GemmOperand, Fp8PicksTheRequestedCopy) {
   EXPECT_EQ(col.data.raw_data(), q.data_t.raw_data());
   EXPECT_EQ(col.scale_inv.raw_data(), q.scale_inv_t.raw_data());
   EXPECT_TRUE(col.transpose);
-}
-
-/// Runs `call` and expects an octet::Error whose message holds every one of `parts`.
-template <typename Call>
-void expect_error(Call&& call, std::initializer_list<const char*> parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected octet::Error";
-  } catch (const Error& e) {
-    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
 }
 
 TEST(GemmOperand, Fp8RefusesAMissingCopy) {

@@ -21,8 +21,8 @@ namespace {
 using ops::FusedQuantize;
 using testing::bitwise_equal;
 using testing::close_to;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
 using testing::kF32ReductionTol;
 using testing::make_tensor;
 using testing::on;
@@ -202,13 +202,10 @@ void add_initial(std::vector<double>& ref, std::vector<double>& mag,
 // ----------------------------------------------------------------------------
 // Parity with the reference
 
-class NormParity : public ::testing::TestWithParam<NormCase> {};
+using NormParity = testing::SeededParityTest<NormCase>;
 
 TEST_P(NormParity, ForwardMatchesDoubleReference) {
   const NormCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Inputs in = make_inputs(rows, cols, p.dtype, seed);
   const Reference ref = reference(p.norm, in, rows, cols);
@@ -227,9 +224,6 @@ TEST_P(NormParity, ForwardMatchesDoubleReference) {
 
 TEST_P(NormParity, BackwardMatchesDoubleReference) {
   const NormCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Inputs in = make_inputs(rows, cols, p.dtype, seed);
   Reference ref = reference(p.norm, in, rows, cols);
@@ -259,9 +253,6 @@ TEST_P(NormParity, BackwardMatchesDoubleReference) {
 /// its whole sum once, and computes the same sum both times.
 TEST_P(NormParity, GradientsAccumulateAcrossCalls) {
   const NormCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const Inputs in = make_inputs(rows, cols, p.dtype, seed);
   const Tensor x = on(in.x, p.backend), gamma = on(in.gamma, p.backend);
@@ -287,9 +278,6 @@ TEST_P(NormParity, GradientsAccumulateAcrossCalls) {
 
 TEST_P(NormParity, FusedCastMatchesUnfused) {
   const NormCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const Inputs in = make_inputs(p.shape.rows, p.shape.cols, p.dtype, seed);
   const Tensor x = on(in.x, p.backend), gamma = on(in.gamma, p.backend);
   const Tensor beta = on(in.beta, p.backend);
@@ -435,17 +423,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, NormDeterminism,
 
 // ----------------------------------------------------------------------------
 // Bad inputs
-
-/// Expects `f` to throw an octet::Error whose message holds every part.
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an octet::Error";
-  } catch (const Error& e) {
-    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
-}
 
 TEST(NormBadInput, RefusedWithMessages) {
   const Tensor x = Tensor::zeros({4, 8}, DType::f32);

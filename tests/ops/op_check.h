@@ -3,16 +3,21 @@
 // cast against ops::quantize on the unfused output.
 #pragma once
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
+#include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "octet/core/error.h"
 #include "octet/fp8/format.h"
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/ops/norm.h"
@@ -123,6 +128,34 @@ inline ::testing::AssertionResult matches_central_differences(
   return ::testing::AssertionSuccess();
 }
 
+/// The device a test case runs on: its `backend` member, or the first element of a tuple.
+template <typename Case>
+Device backend_of(const Case& c) {
+  if constexpr (requires { c.backend; }) {
+    return c.backend;
+  } else {
+    return std::get<0>(c);
+  }
+}
+
+/// A parity suite over cases that name a backend (see backend_of): each test skips when that
+/// backend is missing, else draws a fresh `seed` (with `rng` seeded by it) and traces it for the
+/// whole test.
+template <typename Case>
+class SeededParityTest : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    OCTET_SKIP_IF_UNAVAILABLE(backend_of(this->GetParam()));
+    trace_.emplace(__FILE__, __LINE__, ::testing::Message() << "seed " << seed);
+  }
+
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng{seed};
+
+ private:
+  std::optional<::testing::ScopedTrace> trace_;
+};
+
 /// One way of fusing an FP8 cast into an op.
 struct FusedCase {
   fp8::ScalingMode mode;
@@ -185,8 +218,20 @@ inline void expect_fused_matches_unfused(const Device& device, const Tensor& out
   EXPECT_GT(to_floats(actual_amax)[0], kAmaxBefore) << "amax was not raised";
 }
 
-inline std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
+/// Expects `run` to throw octet::Error with every one of `parts` in its message.
+template <typename Run>
+void expect_error(Run&& run, std::initializer_list<std::string> parts) {
+  try {
+    run();
+    ADD_FAILURE() << "expected an octet::Error mentioning \"" << *parts.begin() << "\"";
+  } catch (const Error& e) {
+    for (const std::string& part : parts) EXPECT_THAT(e.what(), ::testing::HasSubstr(part));
+  }
+}
+
+/// Rounds v to what a tensor of `dtype` (f32 or bf16) holds.
+inline float representable(float v, DType dtype) {
+  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(v)) : v;
 }
 
 }  // namespace octet::testing

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/op_check.h"
 #include "ops/optimizer_backend.h"
 #include "test_util.h"
 
@@ -20,30 +21,16 @@ namespace octet {
 namespace {
 
 using testing::bitwise_equal;
+using testing::device_name;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
 using testing::to_bytes;
 using testing::to_floats;
-
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
 
 std::string shape_name(const Shape& shape) {
   std::string name;
   for (int64_t extent : shape) name += (name.empty() ? "" : "x") + std::to_string(extent);
   return name;
-}
-
-/// Expects `run` to throw octet::Error with every one of `parts` in its message.
-template <typename Run>
-void expect_error(Run&& run, std::initializer_list<std::string> parts) {
-  try {
-    run();
-    ADD_FAILURE() << "expected an octet::Error mentioning \"" << *parts.begin() << "\"";
-  } catch (const Error& e) {
-    for (const std::string& part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
 }
 
 // ----------------------------------------------------------------------------
@@ -95,13 +82,10 @@ std::vector<NormCase> norm_cases() {
   return cases;
 }
 
-class GlobalNormSquared : public ::testing::TestWithParam<NormCase> {};
+using GlobalNormSquared = testing::SeededParityTest<NormCase>;
 
 TEST_P(GlobalNormSquared, FollowsTheDocumentedOrderBitwiseAndIsWithinAnUlpOfExact) {
   const NormCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   std::vector<Tensor> grads;
   std::vector<std::vector<float>> values;
   for (size_t i = 0; i < p.shapes.size(); ++i) {
@@ -160,13 +144,10 @@ std::string adamw_name(const ::testing::TestParamInfo<AdamWCase>& info) {
          (p.max_grad_norm > 0 ? "_clip" : "_noclip") + (p.weight_decay > 0 ? "_wd" : "");
 }
 
-class AdamWStep : public ::testing::TestWithParam<AdamWCase> {};
+using AdamWStep = testing::SeededParityTest<AdamWCase>;
 
 TEST_P(AdamWStep, MatchesFloat64AdamWWithClipping) {
   const AdamWCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   ops::AdamWArgs args;
   args.lr = 1e-3f;
   args.weight_decay = p.weight_decay;

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/op_check.h"
 #include "ops/quantize_ref.h"
 #include "test_util.h"
 
@@ -24,8 +25,11 @@ using fp8::QuantizedTensor;
 using fp8::ScalingMode;
 using fp8::Usage;
 using testing::bitwise_equal;
+using testing::device_name;
+using testing::expect_error;
 using testing::fresh_seed;
-using ::testing::HasSubstr;
+using testing::on;
+using testing::representable;
 namespace ref = testing::ref;
 
 // ----------------------------------------------------------------------------
@@ -46,11 +50,6 @@ constexpr float kFloatSubnormal = 1e-40f;
 /// of the values; see make_input's distribution).
 constexpr float kSaturatingFraction = 0.9f;
 
-/// Rounds v to what a tensor of `dtype` holds.
-float representable(float v, DType dtype) {
-  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(v)) : v;
-}
-
 /// A CPU tensor of dtype f32 or bf16 holding `values` (already representable).
 Tensor make_tensor(const std::vector<float>& values, const Shape& shape, DType dtype) {
   Tensor t = Tensor::empty(shape, dtype);
@@ -64,9 +63,6 @@ Tensor make_tensor(const std::vector<float>& values, const Shape& shape, DType d
   }
   return t;
 }
-
-/// A tensor's copy on `device`, or the tensor itself when it is already there.
-Tensor on(const Tensor& t, const Device& device) { return t.device() == device ? t : t.to(device); }
 
 /// rows x cols values around `magnitude`: half uniform in [-m, m], half log-uniform over
 /// kLogBinades binades below m; outlier rows with huge, tiny, float-subnormal and -0 values; one
@@ -114,10 +110,6 @@ Tensor scalar_on(float v, const Device& device) {
 std::string shape_name(int64_t rows, int64_t cols) {
   return std::to_string(rows) + "x" + std::to_string(cols);
 }
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
-
 struct MatrixShape {
   int64_t rows, cols;
 };
@@ -204,14 +196,10 @@ void expect_matches_reference(const ref::Quantized& expected, const QuantizedTen
   }
 }
 
-class QuantizeParity : public ::testing::TestWithParam<QuantizeCase> {};
+using QuantizeParity = testing::SeededParityTest<QuantizeCase>;
 
 TEST_P(QuantizeParity, MatchesReferenceBitExactly) {
   const QuantizeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const float magnitude = draw_magnitude(rng);
   const int64_t rows = p.shape.rows, cols = p.shape.cols;
   const std::vector<float> values = make_input(rows, cols, p.input, rng(), magnitude);
@@ -288,13 +276,10 @@ std::vector<SpecialCase> special_cases() {
   return cases;
 }
 
-class QuantizeSpecialValues : public ::testing::TestWithParam<SpecialCase> {};
+using QuantizeSpecialValues = testing::SeededParityTest<SpecialCase>;
 
 TEST_P(QuantizeSpecialValues, MatchesReferenceBitExactly) {
   const SpecialCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   // Partial 128-tiles on both edges; rows [128, 256) x cols [128, 256) is one whole zero tile.
   constexpr int64_t kRows = 300, kCols = 260, kPlantRows = 128;
   std::mt19937_64 rng(seed);
@@ -380,14 +365,10 @@ std::string dtype_case_name(const ::testing::TestParamInfo<DTypeCase>& info) {
 // ----------------------------------------------------------------------------
 // amax
 
-class AmaxParity : public ::testing::TestWithParam<DTypeCase> {};
+using AmaxParity = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
   const DTypeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const float magnitude = draw_magnitude(rng);
   const std::vector<float> values =
       make_input(p.shape.rows, p.shape.cols, p.input, rng(), magnitude);
@@ -414,14 +395,10 @@ TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, AmaxParity, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
 
-class AmaxNaN : public ::testing::TestWithParam<DTypeCase> {};
+using AmaxNaN = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(AmaxNaN, NaNWinsWhereverItIs) {
   const DTypeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const int64_t n = p.shape.rows * p.shape.cols;
   std::vector<float> values = make_input(p.shape.rows, p.shape.cols, p.input, rng(), 1.0f);
   // Two quiet NaNs with different payloads, one negative, and an inf: the larger |NaN| pattern
@@ -443,14 +420,10 @@ INSTANTIATE_TEST_SUITE_P(Ops, AmaxNaN, ::testing::ValuesIn(dtype_cases(false)), 
 // ----------------------------------------------------------------------------
 // cast
 
-class CastParity : public ::testing::TestWithParam<DTypeCase> {};
+using CastParity = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(CastParity, RoundsToNearestEven) {
   const DTypeCase& p = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(p.backend);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937_64 rng(seed);
   const Shape shape = {p.shape.rows, p.shape.cols};
   const int64_t n = shape_numel(shape);
   // Every bit pattern is fair: NaNs, infinities, subnormals; plus the two bf16 ties.
@@ -513,17 +486,6 @@ INSTANTIATE_TEST_SUITE_P(Ops, QuantizeMatrixView, ::testing::ValuesIn(testing::a
 
 // ----------------------------------------------------------------------------
 // Bad inputs are refused with messages that name what was expected and what was received
-
-/// Runs f, expecting an octet::Error whose message contains every one of `parts`.
-template <typename F>
-void expect_error(F&& f, std::initializer_list<const char*> parts) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an octet::Error";
-  } catch (const Error& e) {
-    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part));
-  }
-}
 
 Tensor small_input(DType dtype = DType::f32) {
   return testing::random_tensor({5, 40}, dtype, fresh_seed());

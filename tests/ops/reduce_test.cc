@@ -7,6 +7,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "ops/op_check.h"
 #include "test_util.h"
 
 namespace octet {
@@ -41,13 +42,10 @@ struct Extent {
 
 using SumRowsParam = std::tuple<Device, DType, Extent, bool>;
 
-class SumRowsTest : public ::testing::TestWithParam<SumRowsParam> {};
+using SumRowsTest = testing::SeededParityTest<SumRowsParam>;
 
 TEST_P(SumRowsTest, MatchesFixedOrderReferenceBitwiseAndFloat64Closely) {
   const auto [device, dtype, extent, accumulate] = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(device);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   Tensor x = testing::random_tensor({extent.rows, extent.cols}, dtype, seed).to(device);
   Tensor initial = testing::random_tensor({extent.cols}, DType::f32, seed + 1);
   Tensor out = initial.to(device);
@@ -74,9 +72,6 @@ TEST_P(SumRowsTest, MatchesFixedOrderReferenceBitwiseAndFloat64Closely) {
 
 TEST_P(SumRowsTest, RepeatsBitwise) {
   const auto [device, dtype, extent, accumulate] = GetParam();
-  OCTET_SKIP_IF_UNAVAILABLE(device);
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
   Tensor x = testing::random_tensor({extent.rows, extent.cols}, dtype, seed).to(device);
   Tensor first = Tensor::zeros({extent.cols}, DType::f32, device);
   ops::sum_rows(x, first, accumulate);

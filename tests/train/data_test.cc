@@ -13,15 +13,13 @@
 #include <set>
 
 #include "test_util.h"
-
-namespace octet::testing {
-std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
-}  // namespace octet::testing
+#include "train/scratch_dir.h"
 
 namespace octet::train {
 namespace {
 
 using octet::testing::bitwise_equal;
+using octet::testing::error_of;
 using octet::testing::fresh_seed;
 using octet::testing::scratch_dir;
 using ::testing::HasSubstr;
@@ -111,15 +109,6 @@ std::vector<uint16_t> read_all(const TokenSource& source, Split split) {
   std::vector<uint16_t> out(source.size(split));
   source.read(split, 0, source.size(split), out.data());
   return out;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error thrown)";
 }
 
 // ----------------------------------------------------------------------------

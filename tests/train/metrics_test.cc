@@ -13,35 +13,20 @@
 
 #include "octet/core/error.h"
 #include "test_util.h"
-
-namespace octet::testing {
-std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
-}  // namespace octet::testing
+#include "train/scratch_dir.h"
 
 namespace octet::train {
 namespace {
 
+using octet::testing::error_of;
 using octet::testing::fresh_seed;
+using octet::testing::read_file;
 using octet::testing::scratch_dir;
 using ::testing::HasSubstr;
-
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
 
 void append_file(const std::filesystem::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::app);
   out << text;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error thrown)";
 }
 
 std::string printf_g(double value, int digits) {

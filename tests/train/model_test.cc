@@ -20,13 +20,10 @@ namespace octet::train {
 namespace {
 
 using testing::bitwise_equal;
+using testing::device_name;
 using testing::fresh_seed;
 using ::testing::HasSubstr;
 using testing::to_floats;
-
-std::string device_name(const Device& d) {
-  return d.is_cpu() ? "cpu" : "cuda" + std::to_string(d.index);
-}
 
 /// A model small enough for the CPU whose GEMMs all fit the FP8 shape rule (multiples of 16).
 ModelConfig micro(Arch arch, int64_t layers = 2) {

@@ -14,16 +14,15 @@
 #include <tuple>
 
 #include "test_util.h"
-
-namespace octet::testing {
-std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
-}  // namespace octet::testing
+#include "train/scratch_dir.h"
 
 namespace octet::train {
 namespace {
 
 using octet::testing::bitwise_equal;
+using octet::testing::error_of;
 using octet::testing::fresh_seed;
+using octet::testing::read_file;
 using octet::testing::scratch_dir;
 using ::testing::HasSubstr;
 
@@ -36,11 +35,6 @@ Tensor random_bytes_tensor(const Shape& shape, DType dtype, std::mt19937_64& rng
   auto* p = static_cast<uint8_t*>(t.raw_data());
   for (size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<uint8_t>(rng());
   return t;
-}
-
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 void write_file(const std::filesystem::path& path, const std::string& bytes) {
@@ -57,15 +51,6 @@ std::string raw_file(const std::string& header, const std::string& data) {
   std::string out(8, '\0');
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((uint64_t{header.size()} >> (8 * i)));
   return out + header + data;
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error thrown)";
 }
 
 /// Files in `dir` other than `keep` (temporary files left behind would show up here).

@@ -1,5 +1,7 @@
 // A scratch folder per test for the train tests: under one per-process folder in the system temp
 // directory, removed when the process exits.
+#include "train/scratch_dir.h"
+
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -9,9 +11,6 @@
 #include "octet/core/error.h"
 
 namespace octet::testing {
-
-/// A fresh, empty folder named after the running test (declared where used).
-std::filesystem::path scratch_dir();
 
 namespace {
 struct ProcessRoot {

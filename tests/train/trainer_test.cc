@@ -14,16 +14,14 @@
 
 #include "octet/core/error.h"
 #include "octet/train/safetensors.h"
-
-namespace octet::testing {
-std::filesystem::path scratch_dir();  // tests/train/scratch_dir.cc
-}
+#include "train/scratch_dir.h"
 
 namespace octet::train {
 namespace {
 
-using ::testing::HasSubstr;
+using octet::testing::read_file;
 using octet::testing::scratch_dir;
+using ::testing::HasSubstr;
 
 /// A model small enough to train a few steps in well under a second per step on one CPU core.
 TrainOptions micro_options(const std::filesystem::path& out, const std::string& precision) {
@@ -45,13 +43,6 @@ TrainOptions micro_options(const std::filesystem::path& out, const std::string& 
   o.eval_batches = 1;
   o.fp8_stats_every = 2;
   return o;
-}
-
-std::string read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 /// The "loss" and "grad_norm" fields of every step line of a metrics file, as written (%.9g).
