@@ -8,18 +8,6 @@
 namespace octet::ops {
 namespace {
 
-const char* activation_name(Activation act) {
-  switch (act) {
-    case Activation::gelu:
-      return "gelu";
-    case Activation::swiglu:
-      return "swiglu";
-    case Activation::srelu:
-      return "srelu";
-  }
-  OCTET_ERROR("unknown Activation value ", static_cast<int>(act));
-}
-
 /// Throws unless `in` (an activation's input, or its gradient) has the shape that goes with the
 /// output-shaped `out`: the same, except for swiglu's doubled last dimension.
 void check_input_shape(Activation act, const Tensor& in, const Tensor& out, const char* op,
@@ -34,6 +22,18 @@ void check_input_shape(Activation act, const Tensor& in, const Tensor& out, cons
 }
 
 }  // namespace
+
+const char* activation_name(Activation act) {
+  switch (act) {
+    case Activation::gelu:
+      return "gelu";
+    case Activation::swiglu:
+      return "swiglu";
+    case Activation::srelu:
+      return "srelu";
+  }
+  OCTET_ERROR("unknown Activation value ", static_cast<int>(act));
+}
 
 int64_t activation_input_cols(Activation act, int64_t cols) {
   return act == Activation::swiglu ? 2 * cols : cols;

@@ -34,17 +34,6 @@ using testing::to_floats;
 /// within a few percent of saturation) and SReLU's kink.
 constexpr float kRange = 4.0f;
 
-const char* act_name(Activation a) {
-  switch (a) {
-    case Activation::gelu:
-      return "gelu";
-    case Activation::swiglu:
-      return "swiglu";
-    case Activation::srelu:
-      return "srelu";
-  }
-  return "?";
-}
 
 struct MatrixShape {
   int64_t rows, cols;  ///< of the output (swiglu's input has 2 * cols)
@@ -74,13 +63,13 @@ std::string shape_name(const MatrixShape& s) {
 
 void PrintTo(const ActCase& p, std::ostream* out) {
   *out << p.backend << " " << dtype_name(p.dtype) << " " << shape_name(p.shape) << " "
-       << act_name(p.act);
+       << activation_name(p.act);
 }
 
 std::string act_case_name(const ::testing::TestParamInfo<ActCase>& info) {
   const ActCase& p = info.param;
   return testing::device_name(p.backend) + "_" + std::string(dtype_name(p.dtype)) + "_" +
-         shape_name(p.shape) + "_" + act_name(p.act);
+         shape_name(p.shape) + "_" + activation_name(p.act);
 }
 
 // ----------------------------------------------------------------------------
@@ -309,7 +298,7 @@ TEST_P(ActivationGradient, MatchesCentralDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, ActivationGradient,
                          ::testing::Values(Activation::gelu, Activation::swiglu, Activation::srelu),
-                         [](const auto& info) { return std::string(act_name(info.param)); });
+                         [](const auto& info) { return std::string(activation_name(info.param)); });
 
 // ----------------------------------------------------------------------------
 // Bad inputs

@@ -12,6 +12,9 @@ enum class Activation : uint8_t {
   srelu,   ///< max(x, 0)^2
 };
 
+/// "gelu", "swiglu" or "srelu".
+const char* activation_name(Activation act);
+
 /// Columns of the activation's input for an output of `cols` columns (2x for swiglu).
 int64_t activation_input_cols(Activation act, int64_t cols);
 
