@@ -366,16 +366,39 @@ ModelConfig resolve_model_config(const TrainOptions& o, int data_vocab) {
   return c;
 }
 
-void run_train(const TrainOptions& options) {
-  const TrainOptions o = resolve_defaults(options);
-  if (o.deterministic) set_deterministic(true);
-  const Device device = Device::parse(o.device);
-  check_device_available(device);
-  const Precision precision = Precision::from_name(o.precision);
+namespace {
+/// What every training command resolves before building a model: defaults, determinism, the
+/// device, the precision, the data and the checked model config.
+struct RunSetup {
+  TrainOptions options;
+  Device device;
+  Precision precision;
+  std::unique_ptr<TokenSource> data;
+  ModelConfig config;
+};
 
-  std::unique_ptr<TokenSource> data = make_token_source(o.data, o.seed);
-  const ModelConfig config = resolve_model_config(o, data->vocab_size());
-  check_run_shape(o, config, precision);
+RunSetup prepare_run(const TrainOptions& requested) {
+  RunSetup run;
+  run.options = resolve_defaults(requested);
+  const TrainOptions& o = run.options;
+  if (o.deterministic) set_deterministic(true);
+  run.device = Device::parse(o.device);
+  check_device_available(run.device);
+  run.precision = Precision::from_name(o.precision);
+  run.data = make_token_source(o.data, o.seed);
+  run.config = resolve_model_config(o, run.data->vocab_size());
+  check_run_shape(o, run.config, run.precision);
+  return run;
+}
+}  // namespace
+
+void run_train(const TrainOptions& options) {
+  RunSetup run = prepare_run(options);
+  const TrainOptions& o = run.options;
+  const Device& device = run.device;
+  const Precision& precision = run.precision;
+  const ModelConfig& config = run.config;
+  std::unique_ptr<TokenSource>& data = run.data;
 
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
 
@@ -452,14 +475,12 @@ void run_train(const TrainOptions& options) {
 }
 
 void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps) {
-  TrainOptions o = resolve_defaults(options);
-  if (o.deterministic) set_deterministic(true);
-  const Device device = Device::parse(o.device);
-  check_device_available(device);
-  const Precision precision = Precision::from_name(o.precision);
-  std::unique_ptr<TokenSource> data = make_token_source(o.data, o.seed);
-  const ModelConfig config = resolve_model_config(o, data->vocab_size());
-  check_run_shape(o, config, precision);
+  RunSetup run = prepare_run(options);
+  const TrainOptions& o = run.options;
+  const Device& device = run.device;
+  const Precision& precision = run.precision;
+  const ModelConfig& config = run.config;
+  std::unique_ptr<TokenSource>& data = run.data;
   reset_device_peak(device);
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
   Tensor norm_sq = Tensor::zeros({1}, DType::f32, device);
