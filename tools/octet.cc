@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
   octet::train::TrainOptions bench_options;
   bench_options.steps = 10;
   int64_t bench_warmup = 3;
+  bool bench_profile = false;
   auto* bench = app.add_subcommand("bench", "benchmarks (kernel benchmarks: the octet_bench binary)");
   bench->require_subcommand(1);
   auto* bench_train = bench->add_subcommand(
@@ -97,6 +98,8 @@ int main(int argc, char** argv) {
   add_train_options(bench_train, bench_options);
   bench_train->add_option("--warmup-steps", bench_warmup, "untimed steps first")
       ->capture_default_str();
+  bench_train->add_flag("--profile", bench_profile,
+                        "time every op on the device and print where a step goes (stderr)");
   auto* info = app.add_subcommand("info", "print the build and the visible GPUs");
 
   try {
@@ -112,7 +115,7 @@ int main(int argc, char** argv) {
 
   try {
     if (train->parsed()) octet::train::run_train(train_options);
-    if (bench_train->parsed()) octet::train::run_train_benchmark(bench_options, bench_warmup);
+    if (bench_train->parsed()) octet::train::run_train_benchmark(bench_options, bench_warmup, bench_profile);
     if (eval->parsed()) octet::train::run_eval(checkpoint, device, batches);
     if (generate->parsed())
       octet::train::run_generate(checkpoint, device, prompt, tokens, temperature, seed);

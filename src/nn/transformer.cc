@@ -15,10 +15,12 @@ uint64_t layer_seed(uint64_t seed, LinearSlot slot) {
 
 Tensor empty_like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype(), t.device()); }
 
-/// Calls the observer, when there is one, for a normal (training) forward.
-void observe(const LinearObserver* observer, ForwardMode mode, LinearSlot slot, const Tensor& x,
-             const Linear::Saved& saved) {
+/// After a Linear's forward: calls the observer, when there is one, for a normal (training)
+/// forward; then, unless this was inference, frees the record's forward-only part.
+void after_linear(const LinearObserver* observer, ForwardMode mode, LinearSlot slot,
+                  const Tensor& x, Linear::Saved& saved) {
   if (observer != nullptr && *observer && mode == ForwardMode::normal) (*observer)(slot, x, saved);
+  if (mode != ForwardMode::inference) saved.release_forward_only();
 }
 
 }  // namespace
@@ -105,14 +107,14 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& sa
               "], got ", x.defined() ? x.describe() : "none");
   saved.shape = {.batch = batch, .seq = seq, .heads = heads_, .head_dim = head_dim_};
   saved.qkv_act = qkv_.forward(x, saved.qkv, mode);
-  observe(observer, mode, LinearSlot::qkv, x, saved.qkv);
+  after_linear(observer, mode, LinearSlot::qkv, x, saved.qkv);
   // Rotating in place is safe: the FP8 Saved of qkv holds its input, not its output.
   if (rope_) ops::rope(saved.qkv_act, saved.shape, rope_theta_, /*inverse=*/false);
   saved.out = Tensor::empty({batch * seq, heads_ * head_dim_}, x.dtype(), x.device());
   saved.lse = Tensor::empty({batch, heads_, seq}, DType::f32, x.device());
   ops::attention_forward(saved.qkv_act, saved.shape, saved.out, saved.lse);
   Tensor y = proj_.forward(saved.out, saved.proj, mode);
-  observe(observer, mode, LinearSlot::proj, saved.out, saved.proj);
+  after_linear(observer, mode, LinearSlot::proj, saved.out, saved.proj);
   return y;
 }
 
@@ -139,13 +141,13 @@ MLP::MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType c
 Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
                     const LinearObserver* observer) {
   saved.hidden = fc1_.forward(x, saved.fc1, mode);
-  observe(observer, mode, LinearSlot::fc1, x, saved.fc1);
+  after_linear(observer, mode, LinearSlot::fc1, x, saved.fc1);
   Shape act_shape = saved.hidden.shape();
   act_shape.back() = fc2_.in_features();
   Tensor act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
   ops::activation_forward(activation_, saved.hidden, act);
   Tensor y = fc2_.forward(act, saved.fc2, mode);
-  observe(observer, mode, LinearSlot::fc2, act, saved.fc2);
+  after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
   return y;
 }
 

@@ -9,6 +9,7 @@
 
 #include "core/nvtx.h"
 #include "octet/core/device.h"
+#include "octet/core/profiler.h"
 #include "octet/core/tensor.h"
 
 /// Wraps a cuda:: call in a dispatcher's on_cuda branch, which dispatch() never reaches in a
@@ -21,7 +22,8 @@
 
 namespace octet::ops {
 
-/// Runs `on_cpu` or `on_cuda` for `device` under a device guard and an NVTX range named `op`.
+/// Runs `on_cpu` or `on_cuda` for `device` under a device guard and an NVTX range named `op`,
+/// timed by the op profiler when it is enabled.
 /// Without the CUDA backend a GPU device gets a clear error, and `on_cuda` is never called (the
 /// caller wraps the cuda:: call in #if OCTET_WITH_CUDA).
 template <typename OnCpu, typename OnCuda>
@@ -32,6 +34,7 @@ void dispatch(const Device& device, const char* op, OnCpu&& on_cpu, OnCuda&& on_
 #endif
   DeviceGuard guard(device);
   NvtxRange range(op);
+  profiler::OpScope timer(device, op);
   if (device.is_cpu()) {
     on_cpu();
   } else {

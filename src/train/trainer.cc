@@ -15,6 +15,7 @@
 #include "octet/core/allocator.h"
 #include "octet/core/determinism.h"
 #include "octet/core/error.h"
+#include "octet/core/profiler.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/ops/optimizer.h"
 #include "octet/train/data.h"
@@ -474,7 +475,25 @@ void run_train(const TrainOptions& options) {
               human_count(tokens_per_step * static_cast<double>(o.steps)).c_str());
 }
 
-void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps) {
+namespace {
+/// The op profiler's totals over `steps` steps of `step_ms` median wall time each, as a table.
+void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms) {
+  double total = 0;
+  for (const auto& t : ops) total += t.ms;
+  std::fprintf(stderr, "%-48s %9s %10s %7s\n", "op", "calls/step", "ms/step", "% step");
+  for (const auto& t : ops) {
+    const double ms = t.ms / static_cast<double>(steps);
+    std::fprintf(stderr, "%-48s %9.1f %10.3f %6.1f%%\n", t.op.c_str(),
+                 static_cast<double>(t.calls) / static_cast<double>(steps), ms,
+                 100.0 * ms / step_ms);
+  }
+  const double in_ops = total / static_cast<double>(steps);
+  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "all ops", "", in_ops, 100.0 * in_ops / step_ms);
+  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "step (median wall time)", "", step_ms, 100.0);
+}
+}  // namespace
+
+void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
   RunSetup run = prepare_run(options);
   const TrainOptions& o = run.options;
   const Device& device = run.device;
@@ -488,6 +507,7 @@ void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps) {
   std::vector<double> rates;
   double loss = 0;
   for (int64_t i = 0; i < warmup_steps + o.steps; ++i) {
+    if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
     loss = train_step(s, *data, o, norm_sq).loss;  // ends with a device sync (grad norm read)
     const double seconds =
@@ -496,6 +516,10 @@ void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps) {
   }
   std::sort(rates.begin(), rates.end());
   const double median = rates[rates.size() / 2];
+  if (profile) {
+    profiler::set_enabled(false);
+    print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
+  }
   const double peak_gib = static_cast<double>(device_peak_bytes(device)) / (1 << 30);
   std::printf(
       "{\"bench\":\"train\",\"model\":\"%s\",\"precision\":\"%s\",\"device\":\"%s\","

@@ -65,7 +65,15 @@ class Linear {
     /// A record holding only `snapshot`: pass it to forward(..., ForwardMode::recompute).
     static Saved from_snapshot(Snapshot snapshot);
     /// True once a forward filled it.
-    bool filled() const { return input_q.has_rowwise() || input.defined(); }
+    bool filled() const {
+      return input_q.has_rowwise() || input_q.has_columnwise() || input.defined();
+    }
+    /// Frees what only the forward GEMM read (the FP8 input's row-wise copy; backward reads the
+    /// transposed one), so that a training step holds one FP8 byte per saved input element.
+    void release_forward_only() {
+      input_q.data = Tensor();
+      input_q.scale_inv = Tensor();
+    }
   };
 
   /// Weight [out, in] uniform in +-1/sqrt(in) and bias [out] likewise, drawn from `seed`

@@ -48,8 +48,10 @@ ModelConfig resolve_model_config(const TrainOptions& options, int data_vocab);
 void run_train(const TrainOptions& options);
 
 /// `octet bench train`: `warmup_steps` untimed steps, then options.steps timed ones; prints one
-/// JSON line with the median tokens/s and the peak device memory of the run.
-void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps);
+/// JSON line with the median tokens/s and the peak device memory of the run. With `profile`, the
+/// timed steps also run under the op profiler (which adds a little overhead) and a table of the
+/// device time per op and step goes to stderr.
+void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile = false);
 
 /// `octet eval`: val loss of a checkpoint (and arithmetic accuracy for the builtin corpus).
 void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches);
