@@ -150,40 +150,75 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
   return weight_cast_;
 }
 
-Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
-  check_activation(x, in_, "input");
+Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
   Saved out;
   if (mode == ForwardMode::recompute) {
     OCTET_CHECK(saved.snapshot.weight != nullptr,
                 "Linear::forward(recompute) needs the snapshot of the original forward "
                 "(Saved::from_snapshot), got a Saved without one");
     out.snapshot = saved.snapshot;
-  } else {
-    const Fp8Context* fp8_context = active_fp8();
-    Snapshot& snap = out.snapshot;
-    snap.fp8 = fp8_context != nullptr;
-    if (snap.fp8) {
-      snap.recipe = fp8_context->recipe;
-      if (mode == ForwardMode::inference) {
-        OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
-                    "Linear::forward(inference) under ", snap.recipe.name(),
-                    " needs the layer's FP8 state for that recipe (train under it first, or call "
-                    "ensure_fp8_state), got ",
-                    state_ ? "a state for " + state_->recipe().name() : std::string("none"));
-      } else {
-        state_for(snap.recipe);
-        fp8_context->registry->register_state(state_);
-      }
-      snap.weight = weight_cast({.fp8 = true,
-                                 .kind = snap.recipe.kind,
-                                 .dtype = snap.recipe.dtype_for(TensorRole::weight),
-                                 .mode = snap.recipe.mode_for(TensorRole::weight),
-                                 .power_of_2 = snap.recipe.power_of_2_scales},
-                                &snap.recipe, mode);
-    } else {
-      snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr, mode);
-    }
+    return out;
   }
+  const Fp8Context* fp8_context = active_fp8();
+  Snapshot& snap = out.snapshot;
+  snap.fp8 = fp8_context != nullptr;
+  if (!snap.fp8) {
+    snap.weight = weight_cast({.fp8 = false, .dtype = compute_dtype_}, nullptr, mode);
+    return out;
+  }
+  snap.recipe = fp8_context->recipe;
+  if (mode == ForwardMode::inference) {
+    OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
+                "Linear::forward(inference) under ", snap.recipe.name(),
+                " needs the layer's FP8 state for that recipe (train under it first, or call "
+                "ensure_fp8_state), got ",
+                state_ ? "a state for " + state_->recipe().name() : std::string("none"));
+  } else {
+    state_for(snap.recipe);
+    fp8_context->registry->register_state(state_);
+  }
+  snap.weight = weight_cast({.fp8 = true,
+                             .kind = snap.recipe.kind,
+                             .dtype = snap.recipe.dtype_for(TensorRole::weight),
+                             .mode = snap.recipe.mode_for(TensorRole::weight),
+                             .power_of_2 = snap.recipe.power_of_2_scales},
+                            &snap.recipe, mode);
+  if (per_tensor(snap.recipe)) {
+    // The scales in use, copied so that recompute sees these even after updates. Delayed
+    // scaling knows the input's now; current scaling computes it from the input (forward_fp8).
+    snap.scales = Tensor::empty({2}, DType::f32, device_);
+    if (snap.recipe.kind == fp8::RecipeKind::delayed)
+      ops::cast(state_->scale(TensorRole::input), snap.scales.slice(0, 1));
+    ops::cast(snap.weight->scale, snap.scales.slice(1, 2));
+  }
+  return out;
+}
+
+std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, Saved& saved,
+                                                      ForwardMode mode) {
+  if (mode == ForwardMode::inference) return std::nullopt;
+  const Fp8Context* fp8_context = active_fp8();
+  const bool fp8 = mode == ForwardMode::recompute ? saved.snapshot.fp8 : fp8_context != nullptr;
+  if (!fp8) return std::nullopt;
+  const fp8::Recipe recipe =
+      mode == ForwardMode::recompute ? saved.snapshot.recipe : fp8_context->recipe;
+  if (recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
+  Saved out = start_record(saved, mode);
+  out.input_q = fp8::QuantizedTensor::allocate(
+      rows, in_, recipe.dtype_for(TensorRole::input), recipe.mode_for(TensorRole::input),
+      fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+  out.input_prefilled = true;
+  saved = std::move(out);
+  ops::FusedQuantize fused;
+  fused.out = &saved.input_q;
+  fused.args.scale = saved.snapshot.scales.slice(0, 1);
+  if (mode == ForwardMode::normal) fused.args.amax = state_->amax_slot(TensorRole::input);
+  return fused;
+}
+
+Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
+  check_activation(x, in_, "input");
+  Saved out = saved.input_prefilled ? std::move(saved) : start_record(saved, mode);
   out.input_shape = x.shape();
   out.input_dtype = x.dtype();
 
@@ -192,11 +227,15 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
   Tensor y = Tensor::empty(y_shape, x.dtype(), device_);
   const Tensor x2 = x.view({-1, in_});
   const Tensor y2 = y.view({-1, out_});
+  OCTET_CHECK(!out.input_prefilled || out.input_q.rows == x2.rows(),
+              "Linear::forward: the fused input holds ", out.input_q.rows, " rows but x has ",
+              x2.rows(), " (fused_input was called with another row count)");
   if (out.snapshot.fp8) {
     forward_fp8(x2, y2, mode, out);
   } else {
     forward_dense(x2, y2, out);
   }
+  out.input_prefilled = false;  // consumed: a later forward into this record quantizes again
   saved = std::move(out);
   return y;
 }
@@ -209,27 +248,19 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
 
   Tensor input_scale;
   if (per_tensor(recipe)) {
-    // The scales in use, copied so that recompute sees these even after updates.
-    if (mode != ForwardMode::recompute) {
-      snap.scales = Tensor::empty({2}, DType::f32, device_);
-      input_scale = snap.scales.slice(0, 1);
-      if (recipe.kind == fp8::RecipeKind::delayed) {
-        ops::cast(state_->scale(TensorRole::input), input_scale);
-      } else {
-        current_scale(x, recipe, TensorRole::input, input_scale);
-      }
-      ops::cast(snap.weight->scale, snap.scales.slice(1, 2));
-    } else {
-      OCTET_CHECK(snap.scales.defined() && snap.scales.numel() == 2,
-                  "Linear::forward(recompute): the snapshot of a per-tensor FP8 recipe must hold "
-                  "the two scales of the original forward, got ",
-                  snap.scales.describe());
-      input_scale = snap.scales.slice(0, 1);
-    }
+    OCTET_CHECK(snap.scales.defined() && snap.scales.numel() == 2,
+                "Linear::forward(recompute): the snapshot of a per-tensor FP8 recipe must hold "
+                "the two scales of the original forward, got ",
+                snap.scales.describe());
+    input_scale = snap.scales.slice(0, 1);
+    if (recipe.kind == fp8::RecipeKind::current && mode != ForwardMode::recompute)
+      current_scale(x, recipe, TensorRole::input, input_scale);
   }
-  saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
-                               record ? state_->amax_slot(TensorRole::input) : Tensor(),
-                               /*rowwise_only=*/mode == ForwardMode::inference);
+  if (!saved.input_prefilled) {
+    saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
+                                 record ? state_->amax_slot(TensorRole::input) : Tensor(),
+                                 /*rowwise_only=*/mode == ForwardMode::inference);
+  }
   if (record) state_->mark_recorded(Pass::forward);
 
   ops::GemmArgs args;

@@ -41,7 +41,7 @@ Norm::Norm(NormKind kind, int64_t dim, float eps, const Device& device)
   }
 }
 
-Tensor Norm::forward(const Tensor& x, Saved& saved) const {
+Tensor Norm::forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused) const {
   OCTET_CHECK(x.defined() && x.ndim() >= 1 && x.size(-1) == dim_, "Norm(dim=", dim_,
               ") expects an input [..., ", dim_, "], got ", x.defined() ? x.describe() : "none");
   const Tensor x2 = x.view({-1, dim_});
@@ -52,9 +52,9 @@ Tensor Norm::forward(const Tensor& x, Saved& saved) const {
   const Tensor y2 = y.view({-1, dim_});
   if (kind_ == NormKind::layernorm) {
     out.mean = Tensor::empty({x2.rows()}, DType::f32, device_);
-    ops::layernorm_forward(x2, gamma_, beta_, eps_, y2, out.mean, out.rstd);
+    ops::layernorm_forward(x2, gamma_, beta_, eps_, y2, out.mean, out.rstd, fused);
   } else {
-    ops::rmsnorm_forward(x2, gamma_, eps_, y2, out.rstd);
+    ops::rmsnorm_forward(x2, gamma_, eps_, y2, out.rstd, fused);
   }
   saved = std::move(out);
   return y;
@@ -145,7 +145,8 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
   Shape act_shape = saved.hidden.shape();
   act_shape.back() = fc2_.in_features();
   Tensor act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
-  ops::activation_forward(activation_, saved.hidden, act);
+  const auto fused = fc2_.fused_input(saved.hidden.rows(), saved.fc2, mode);
+  ops::activation_forward(activation_, saved.hidden, act, fused ? &*fused : nullptr);
   Tensor y = fc2_.forward(act, saved.fc2, mode);
   after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
   return y;
@@ -191,11 +192,14 @@ const Linear& TransformerBlock::linear(LinearSlot slot) const {
 
 Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode mode,
                                       const LinearObserver* observer) {
-  const Tensor h1 = norm1_.forward(x, saved.norm1);
+  // The norms write the FP8 inputs of qkv and fc1 in the same kernel when those can take them.
+  const auto fused_qkv = attn_.qkv().fused_input(x.rows(), saved.attn.qkv, mode);
+  const Tensor h1 = norm1_.forward(x, saved.norm1, fused_qkv ? &*fused_qkv : nullptr);
   const Tensor a = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer);
   saved.residual = empty_like(x);
   ops::add(x, a, saved.residual);
-  const Tensor h2 = norm2_.forward(saved.residual, saved.norm2);
+  const auto fused_fc1 = mlp_.fc1().fused_input(x.rows(), saved.mlp.fc1, mode);
+  const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr);
   const Tensor m = mlp_.forward(h2, saved.mlp, mode, observer);
   Tensor y = empty_like(x);
   ops::add(saved.residual, m, y);

@@ -9,6 +9,7 @@
 
 #include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
+#include "octet/ops/norm.h"
 #include "test_util.h"
 
 namespace octet::nn {
@@ -398,6 +399,72 @@ TEST_P(LinearBackendTest, Fp8DimensionsNotMultipleOf16SurfaceTheGemmError) {
       },
       ::testing::ThrowsMessage<Error>(HasSubstr("16")));
   EXPECT_EQ(registry.forward_update_count(), 0);  // the failed pass was not finalized
+}
+
+TEST_P(LinearBackendTest, FusedInputFromANormMatchesQuantizingTheNormOutput) {
+  // Delayed scaling lets the producer of a Linear's input (here a LayerNorm, as in a block) write
+  // the FP8 input in its own kernel: same output, same saved bytes, same amax as the plain path,
+  // over two steps so the second runs with updated (non-unit) scales.
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int64_t kRows = 48, kIn = 64, kOut = 32;
+  const Recipe recipe = Recipe::delayed();
+  Linear fused_layer(kIn, kOut, true, device, seed, DType::bf16);
+  Linear plain_layer(kIn, kOut, true, device, seed, DType::bf16);
+  AmaxRegistry fused_registry, plain_registry;
+  const Tensor gamma = testing::random_tensor({kIn}, DType::f32, seed + 1).to(device);
+  const Tensor beta = testing::random_tensor({kIn}, DType::f32, seed + 2).to(device);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const Tensor x =
+        testing::random_tensor({kRows, kIn}, DType::bf16, seed + 3 + step, 4.0f).to(device);
+    const Tensor dy = testing::random_tensor({kRows, kOut}, DType::bf16, seed + 5 + step).to(device);
+    const auto norm = [&](const ops::FusedQuantize* fused) {
+      Tensor h = Tensor::empty({kRows, kIn}, DType::bf16, device);
+      Tensor mean = Tensor::empty({kRows}, DType::f32, device);
+      Tensor rstd = Tensor::empty({kRows}, DType::f32, device);
+      ops::layernorm_forward(x, gamma, beta, 1e-5f, h, mean, rstd, fused);
+      return h;
+    };
+    Linear::Saved fused_saved, plain_saved;
+    Tensor fused_y, plain_y;
+    {
+      Fp8Autocast scope(recipe, fused_registry);
+      const auto target = fused_layer.fused_input(kRows, fused_saved);
+      ASSERT_TRUE(target.has_value());
+      fused_y = fused_layer.forward(norm(&*target), fused_saved);
+    }
+    {
+      Fp8Autocast scope(recipe, plain_registry);
+      plain_y = plain_layer.forward(norm(nullptr), plain_saved);
+    }
+    EXPECT_TRUE(testing::bitwise_equal(plain_y, fused_y));
+    EXPECT_TRUE(testing::bitwise_equal(plain_saved.input_q.data_t, fused_saved.input_q.data_t));
+    fused_layer.backward(dy, fused_saved);
+    plain_layer.backward(dy, plain_saved);
+    fused_registry.finalize_backward();
+    plain_registry.finalize_backward();
+    const auto fused_state = testing::state_tensors(*fused_layer.fp8_state());
+    const auto plain_state = testing::state_tensors(*plain_layer.fp8_state());
+    for (size_t i = 0; i < plain_state.size(); ++i)
+      EXPECT_TRUE(testing::bitwise_equal(plain_state[i], fused_state[i])) << "state tensor " << i;
+    EXPECT_TRUE(testing::bitwise_equal(plain_layer.grad_weight(), fused_layer.grad_weight()));
+  }
+}
+
+TEST_P(LinearBackendTest, FusedInputIsDeclinedOutsideDelayedScaling) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  Linear layer(32, 16, false, device, fresh_seed(), DType::bf16);
+  Linear::Saved saved;
+  EXPECT_FALSE(layer.fused_input(16, saved).has_value());  // no autocast: BF16
+  AmaxRegistry registry;
+  Fp8Autocast scope(Recipe::current(), registry);
+  EXPECT_FALSE(layer.fused_input(16, saved).has_value());
+  EXPECT_FALSE(layer.fused_input(16, saved, ForwardMode::inference).has_value());
+  EXPECT_FALSE(saved.filled());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearBackendTest, ::testing::ValuesIn(testing::all_backends()),

@@ -4,11 +4,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "octet/core/tensor.h"
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
+#include "octet/ops/norm.h"
 
 namespace octet::nn {
 
@@ -61,6 +63,8 @@ class Linear {
     DType input_dtype = DType::f32;
     fp8::QuantizedTensor input_q;  ///< FP8: the quantized input, row-wise and transposed
     Tensor input;                  ///< high precision: the input in the compute dtype [rows, in]
+    /// input_q was written by the op that produced the input (see Linear::fused_input).
+    bool input_prefilled = false;
 
     /// A record holding only `snapshot`: pass it to forward(..., ForwardMode::recompute).
     static Saved from_snapshot(Snapshot snapshot);
@@ -90,6 +94,16 @@ class Linear {
   /// runs in FP8 per the active recipe (whose dimensions must then be multiples of 16); otherwise
   /// in the compute dtype. Fills `saved` for backward.
   Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal);
+  /// Fusing the input's FP8 cast into the op that produces the input (a norm, an activation):
+  /// under per-tensor delayed scaling the input's scale is known before the input exists, so
+  ///   auto fused = linear.fused_input(rows, saved, mode);   // starts the record in `saved`
+  ///   producer(..., fused ? &*fused : nullptr);             // also writes saved.input_q
+  ///   y = linear.forward(x, saved, mode);                   // uses that copy
+  /// quantizes exactly as forward() would, without reading x again. Returns nullopt (and leaves
+  /// `saved` alone) when this forward cannot take a fused input: not FP8, another recipe, or
+  /// inference. The returned target points into `saved`: do not move `saved` until forward().
+  std::optional<ops::FusedQuantize> fused_input(int64_t rows, Saved& saved,
+                                                ForwardMode mode = ForwardMode::normal);
   /// dx (x's shape and dtype) from dy [..., out] (f32 or bf16); accumulates grad_weight += dy^T x
   /// and grad_bias += sum over rows of dy, in FP32 with a fixed reduction order.
   Tensor backward(const Tensor& dy, const Saved& saved);
@@ -127,6 +141,10 @@ class Linear {
   /// Inference casts a missing one without recording its amax and without caching it.
   std::shared_ptr<const WeightCast> weight_cast(const WeightCast::Key& key,
                                                 const fp8::Recipe* recipe, ForwardMode mode);
+  /// A new record for a forward in `mode`: the snapshot (FP8 recipe, weight cast, and for delayed
+  /// scaling the input and weight scales in use) and the state registration. `saved` holds the
+  /// original snapshot for recompute.
+  Saved start_record(const Saved& saved, ForwardMode mode);
   void forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved);
   void forward_dense(const Tensor& x, const Tensor& y, Saved& saved);
   void backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved);

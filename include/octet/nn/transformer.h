@@ -34,8 +34,9 @@ class Norm {
 
   Norm(NormKind kind, int64_t dim, float eps, const Device& device);
 
-  /// y (x's dtype and shape) = norm(x) for x [..., dim] f32|bf16.
-  Tensor forward(const Tensor& x, Saved& saved) const;
+  /// y (x's dtype and shape) = norm(x) for x [..., dim] f32|bf16; also writes y's FP8 copy when
+  /// `fused` is given (Linear::fused_input of the Linear that consumes y).
+  Tensor forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused = nullptr) const;
   /// dx from dy (x's shape and dtype); accumulates grad_gamma (and grad_beta).
   Tensor backward(const Tensor& dy, const Saved& saved);
   void zero_grad();

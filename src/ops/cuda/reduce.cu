@@ -11,43 +11,79 @@
 namespace octet::ops::cuda {
 namespace {
 
-/// Columns per block of the first pass: one warp reads consecutive columns of a row (coalesced).
-constexpr int kColumnsPerBlock = 32;
+/// Threads per block of the first pass along the columns: one warp reads a row's consecutive
+/// columns (kColumnsPerThread each: 128 contiguous bytes of bf16 per warp and row).
+constexpr int kThreadsX = 32;
 /// Tiles per block of the first pass (blockDim.y).
 constexpr int kTilesPerBlock = 8;
+/// Rows whose loads a thread issues before adding them (in order): enough bytes in flight to
+/// cover DRAM latency, since each thread's sum is a sequential chain.
+constexpr int kRowsInFlight = 8;
 /// Threads per block of the second pass, one column each.
 constexpr int kSecondPassThreads = 256;
 /// CUDA's limit on gridDim.y.
 constexpr int64_t kMaxGridY = 65535;
 
-template <typename T>
-__device__ __forceinline__ float load_as_float(const T* x, int64_t i);
+/// kN consecutive elements of x starting at i (aligned to kN elements), as floats.
+template <int kN, typename T>
+__device__ __forceinline__ void load_floats(const T* x, int64_t i, float (&out)[kN]);
 template <>
-__device__ __forceinline__ float load_as_float<float>(const float* x, int64_t i) {
-  return x[i];
+__device__ __forceinline__ void load_floats<1, float>(const float* x, int64_t i, float (&out)[1]) {
+  out[0] = x[i];
 }
 template <>
-__device__ __forceinline__ float load_as_float<uint16_t>(const uint16_t* x, int64_t i) {
-  return fp8::decode_bf16(x[i]);
+__device__ __forceinline__ void load_floats<2, float>(const float* x, int64_t i, float (&out)[2]) {
+  const float2 v = *reinterpret_cast<const float2*>(x + i);
+  out[0] = v.x;
+  out[1] = v.y;
+}
+template <>
+__device__ __forceinline__ void load_floats<1, uint16_t>(const uint16_t* x, int64_t i,
+                                                         float (&out)[1]) {
+  out[0] = fp8::decode_bf16(x[i]);
+}
+template <>
+__device__ __forceinline__ void load_floats<2, uint16_t>(const uint16_t* x, int64_t i,
+                                                         float (&out)[2]) {
+  const uint32_t v = *reinterpret_cast<const uint32_t*>(x + i);
+  out[0] = fp8::decode_bf16(static_cast<uint16_t>(v & 0xFFFFu));
+  out[1] = fp8::decode_bf16(static_cast<uint16_t>(v >> 16));
 }
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
 /// partials[tile, c] = x[tile*tile_rows, c] + ... + x[min(rows, (tile+1)*tile_rows) - 1, c],
-/// summed sequentially from 0.
-template <typename T>
+/// summed sequentially from 0. Each thread owns kCols adjacent columns (cols % kCols == 0).
+template <int kCols, typename T>
 __global__ void sum_rows_tile_partials_kernel(const T* __restrict__ x, float* __restrict__ partials,
                                               int64_t rows, int64_t cols, int64_t tiles,
                                               int64_t tile_rows) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kColumnsPerBlock + threadIdx.x;
+  const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kCols;
   const int64_t tile = static_cast<int64_t>(blockIdx.y) * kTilesPerBlock + threadIdx.y;
   if (c >= cols || tile >= tiles) return;
   const int64_t begin = tile * tile_rows;
   const int64_t end = min(rows, begin + tile_rows);
-  float sum = 0.0f;
-  for (int64_t r = begin; r < end; ++r) sum += load_as_float(x, r * cols + c);
-  partials[tile * cols + c] = sum;
+  float sum[kCols] = {};
+  int64_t r = begin;
+  for (; r + kRowsInFlight <= end; r += kRowsInFlight) {
+    float v[kRowsInFlight][kCols];
+#pragma unroll
+    for (int j = 0; j < kRowsInFlight; ++j) load_floats<kCols>(x, (r + j) * cols + c, v[j]);
+#pragma unroll
+    for (int j = 0; j < kRowsInFlight; ++j) {
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) sum[k] += v[j][k];
+    }
+  }
+  for (; r < end; ++r) {
+    float v[kCols];
+    load_floats<kCols>(x, r * cols + c, v);
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) sum[k] += v[k];
+  }
+#pragma unroll
+  for (int k = 0; k < kCols; ++k) partials[tile * cols + c + k] = sum[k];
 }
 
 /// out[c] = (accumulate ? out[c] : 0) + partials[0, c] + partials[1, c] + ... in tile order.
@@ -78,17 +114,24 @@ void sum_rows(const Tensor& x, const Tensor& out, bool accumulate) {
   // Stream-ordered workspace: freed on the same stream after the kernels that use it.
   Tensor partials = Tensor::empty({tiles, cols}, DType::f32, device);
 
-  const dim3 block(kColumnsPerBlock, kTilesPerBlock);
-  const dim3 grid(static_cast<unsigned>((cols + kColumnsPerBlock - 1) / kColumnsPerBlock),
+  // Two columns per thread (8-byte f32 / 4-byte bf16 loads) when every row start is aligned.
+  const bool pairs = cols % 2 == 0 && reinterpret_cast<uintptr_t>(x.raw_data()) % 8 == 0;
+  const int64_t columns_per_block = kThreadsX * (pairs ? 2 : 1);
+  const dim3 block(kThreadsX, kTilesPerBlock);
+  const dim3 grid(static_cast<unsigned>((cols + columns_per_block - 1) / columns_per_block),
                   static_cast<unsigned>(grid_y));
+  const auto launch = [&](auto kernel, const auto* data) {
+    kernel<<<grid, block, 0, stream>>>(data, partials.data<float>(), rows, cols, tiles,
+                                       kSumRowsTileRows);
+  };
   if (x.dtype() == DType::f32) {
-    sum_rows_tile_partials_kernel<<<grid, block, 0, stream>>>(
-        static_cast<const float*>(x.raw_data()), partials.data<float>(), rows, cols, tiles,
-        kSumRowsTileRows);
+    const auto* data = static_cast<const float*>(x.raw_data());
+    pairs ? launch(sum_rows_tile_partials_kernel<2, float>, data)
+          : launch(sum_rows_tile_partials_kernel<1, float>, data);
   } else {
-    sum_rows_tile_partials_kernel<<<grid, block, 0, stream>>>(
-        static_cast<const uint16_t*>(x.raw_data()), partials.data<float>(), rows, cols, tiles,
-        kSumRowsTileRows);
+    const auto* data = static_cast<const uint16_t*>(x.raw_data());
+    pairs ? launch(sum_rows_tile_partials_kernel<2, uint16_t>, data)
+          : launch(sum_rows_tile_partials_kernel<1, uint16_t>, data);
   }
   OCTET_CHECK_LAUNCH();
 
