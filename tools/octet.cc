@@ -1,6 +1,5 @@
 // The octet command: train, eval, generate, inspect, bench train, info.
 #include <CLI/CLI.hpp>
-
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -21,7 +20,8 @@ int report(const std::string& message) {
 }
 
 void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
-  cmd->add_option("--device", o.device, "cpu, cuda or cuda:N (default: cuda when a GPU is visible)");
+  cmd->add_option("--device", o.device,
+                  "cpu, cuda or cuda:N (default: cuda when a GPU is visible)");
   cmd->add_option("--precision", o.precision,
                   "fp8-delayed, fp8-current, fp8-block, fp8-mxfp8, bf16 or fp32")
       ->capture_default_str();
@@ -42,7 +42,8 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--lr", o.lr, "peak learning rate");
   cmd->add_option("--warmup", o.warmup, "warmup steps (default 20)");
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
-  cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")->capture_default_str();
+  cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")
+      ->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed of weights and data order")->capture_default_str();
   cmd->add_flag("--recompute", o.recompute, "recompute activations in backward (saves memory)");
   cmd->add_flag("--deterministic", o.deterministic,
@@ -74,7 +75,8 @@ int main(int argc, char** argv) {
   int64_t batches = 8, tokens = 64;
   double temperature = 0.8;
   uint64_t seed = 1;
-  auto* eval = app.add_subcommand("eval", "val loss (and builtin arithmetic accuracy) of a checkpoint");
+  auto* eval =
+      app.add_subcommand("eval", "val loss (and builtin arithmetic accuracy) of a checkpoint");
   eval->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
   eval->add_option("--device", device, "cpu, cuda or cuda:N");
   eval->add_option("--batches", batches, "val batches")->capture_default_str();
@@ -91,7 +93,8 @@ int main(int argc, char** argv) {
   bench_options.steps = 10;
   int64_t bench_warmup = 3;
   bool bench_profile = false;
-  auto* bench = app.add_subcommand("bench", "benchmarks (kernel benchmarks: the octet_bench binary)");
+  auto* bench =
+      app.add_subcommand("bench", "benchmarks (kernel benchmarks: the octet_bench binary)");
   bench->require_subcommand(1);
   auto* bench_train = bench->add_subcommand(
       "train", "training throughput and peak memory: one JSON line (median tokens/s)");
@@ -115,7 +118,8 @@ int main(int argc, char** argv) {
 
   try {
     if (train->parsed()) octet::train::run_train(train_options);
-    if (bench_train->parsed()) octet::train::run_train_benchmark(bench_options, bench_warmup, bench_profile);
+    if (bench_train->parsed())
+      octet::train::run_train_benchmark(bench_options, bench_warmup, bench_profile);
     if (eval->parsed()) octet::train::run_eval(checkpoint, device, batches);
     if (generate->parsed())
       octet::train::run_generate(checkpoint, device, prompt, tokens, temperature, seed);

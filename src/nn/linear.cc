@@ -73,6 +73,10 @@ Tensor in_dtype(const Tensor& x, DType dtype) {
 
 }  // namespace
 
+Tensor Linear::output_bias(const WeightCast& cast, const Tensor& y) const {
+  return y.dtype() == DType::bf16 ? cast.bias_bf16 : bias_;
+}
+
 Linear::Saved Linear::Saved::from_snapshot(Snapshot snapshot) {
   Saved saved;
   saved.snapshot = std::move(snapshot);
@@ -144,6 +148,7 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
   } else {
     cast->dense = in_dtype(weight_, key.dtype);
   }
+  if (bias_.defined()) cast->bias_bf16 = in_dtype(bias_, DType::bf16);
   if (inference) return cast;
   ++weight_casts_;
   weight_cast_ = std::move(cast);
@@ -264,7 +269,7 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
   if (record) state_->mark_recorded(Pass::forward);
 
   ops::GemmArgs args;
-  args.bias = bias_;
+  args.bias = output_bias(*snap.weight, y);
   args.accumulation = ops::Accumulation::fast;
   // TN: x [rows, in] times (W [out, in])^T.
   ops::gemm(ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/false),
@@ -276,7 +281,7 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
 void Linear::forward_dense(const Tensor& x, const Tensor& y, Saved& saved) {
   saved.input = in_dtype(x, compute_dtype_);
   ops::GemmArgs args;
-  args.bias = bias_;
+  args.bias = output_bias(*saved.snapshot.weight, y);
   ops::gemm(ops::GemmOperand::dense(saved.input),
             ops::GemmOperand::dense(saved.snapshot.weight->dense, /*transpose=*/true), y, args);
 }

@@ -170,10 +170,10 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
 
   // The profiler tells GEMMs apart by dtypes and shape; otherwise the label is just "gemm".
   const std::string label =
-      profiler::enabled() ? detail::concat("gemm ", dtype_name(a.data.dtype()), "x",
-                                           dtype_name(b.data.dtype()), "->", dtype_name(d.dtype()),
-                                           " ", shape.m, "x", shape.n, "x", shape.k)
-                          : std::string("gemm");
+      profiler::enabled()
+          ? detail::concat("gemm ", dtype_name(a.data.dtype()), "x", dtype_name(b.data.dtype()),
+                           "->", dtype_name(d.dtype()), " ", shape.m, "x", shape.n, "x", shape.k)
+          : std::string("gemm");
   dispatch(
       device, label.c_str(), [&] { cpu::gemm(a, b, d, args, shape); },
       [&] { OCTET_CUDA_ONLY(cuda::gemm(a, b, d, args, shape)); });

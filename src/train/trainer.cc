@@ -53,10 +53,11 @@ double learning_rate(double peak, int64_t warmup, int64_t step) {
 }
 
 json config_json(const ModelConfig& c) {
-  return json{{"preset", c.preset}, {"arch", std::string(arch_name(c.arch))},
-              {"layers", c.layers}, {"dim", c.dim}, {"heads", c.heads}, {"ffn", c.ffn},
-              {"vocab", c.vocab}, {"max_seq", c.max_seq}, {"norm_eps", c.norm_eps},
-              {"rope_theta", c.rope_theta}};
+  return json{{"preset", c.preset},     {"arch", std::string(arch_name(c.arch))},
+              {"layers", c.layers},     {"dim", c.dim},
+              {"heads", c.heads},       {"ffn", c.ffn},
+              {"vocab", c.vocab},       {"max_seq", c.max_seq},
+              {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}};
 }
 
 ModelConfig config_from_json(const json& j) {
@@ -154,7 +155,8 @@ std::string generate_text(GPT& model, const std::string& prompt, int64_t max_new
     int64_t begin = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - max_seq);
     std::vector<int32_t> window(tokens.begin() + begin, tokens.end());
     const int64_t length = static_cast<int64_t>(window.size());
-    int64_t padded = std::min(max_seq, (length + kTokenMultiple - 1) / kTokenMultiple * kTokenMultiple);
+    int64_t padded =
+        std::min(max_seq, (length + kTokenMultiple - 1) / kTokenMultiple * kTokenMultiple);
     padded = std::max(padded, length);
     window.resize(padded, 0);
     Tensor logits = model.logits_at(ids_tensor(window, padded), 1, padded, length - 1);
@@ -178,8 +180,7 @@ std::string generate_text(GPT& model, const std::string& prompt, int64_t max_new
   return out;
 }
 
-double validation_loss(GPT& model, TokenSource& data, int64_t batch, int64_t seq,
-                       int64_t batches) {
+double validation_loss(GPT& model, TokenSource& data, int64_t batch, int64_t seq, int64_t batches) {
   const int64_t count = std::min(batches, data.val_batch_count(batch, seq));
   double total = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -206,17 +207,20 @@ void print_arithmetic_skill(GPT& model) {
         return got;
       },
       kArithmeticProblems);
-  std::printf("builtin arithmetic (%d held-out problems): exact match %.1f%%, answer characters "
-              "right %.1f%%\n",
-              kArithmeticProblems, 100.0 * exact,
-              100.0 * static_cast<double>(right) / static_cast<double>(std::max<int64_t>(chars, 1)));
+  std::printf(
+      "builtin arithmetic (%d held-out problems): exact match %.1f%%, answer characters "
+      "right %.1f%%\n",
+      kArithmeticProblems, 100.0 * exact,
+      100.0 * static_cast<double>(right) / static_cast<double>(std::max<int64_t>(chars, 1)));
 }
 
 json fp8_statistics(GPT& model) {
   json stats = json::object();
   for (const Fp8InputStats& s : model.fp8_input_stats()) {
-    stats[s.name] = json{{"input_amax", s.amax}, {"input_scale", s.scale},
-                         {"saturated", s.saturated_fraction}, {"underflow", s.underflow_fraction}};
+    stats[s.name] = json{{"input_amax", s.amax},
+                         {"input_scale", s.scale},
+                         {"saturated", s.saturated_fraction},
+                         {"underflow", s.underflow_fraction}};
   }
   for (const Fp8Module& m : model.fp8_modules()) {
     const float weight_amax = item_f32(m.state->last_amax(fp8::TensorRole::weight));
@@ -273,12 +277,14 @@ void check_resume_compatible(const SafetensorsFile& file,
 
 std::string human_count(double n) {
   char buf[32];
-  if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
-  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.1fM", n / 1e6);
-  else std::snprintf(buf, sizeof buf, "%.0f", n);
+  if (n >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
+  else if (n >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.1fM", n / 1e6);
+  else
+    std::snprintf(buf, sizeof buf, "%.0f", n);
   return buf;
 }
-
 
 struct StepResult {
   double loss = 0, grad_norm = 0, lr = 0;
@@ -421,7 +427,8 @@ void run_train(const TrainOptions& options) {
               device.str().c_str(), precision.name().c_str(), data->describe().c_str());
   std::printf("  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g, out %s%s\n",
               (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
-              o.out.c_str(), resume_step ? (", resumed at step " + std::to_string(*resume_step)).c_str() : "");
+              o.out.c_str(),
+              resume_step ? (", resumed at step " + std::to_string(*resume_step)).c_str() : "");
   std::fflush(stdout);
 
   MetricsWriter metrics((fs::path(o.out) / "metrics.jsonl").string(), resume_step);
@@ -446,11 +453,14 @@ void run_train(const TrainOptions& options) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-    MetricFields fields{{"loss", loss}, {"grad_norm", grad_norm}, {"lr", lr},
+    MetricFields fields{{"loss", loss},
+                        {"grad_norm", grad_norm},
+                        {"lr", lr},
                         {"tokens_per_s", tokens_per_step / seconds}};
     if (stats) fields.emplace_back("fp8", fp8_statistics(*s.model));
     if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps)
-      fields.emplace_back("val_loss", validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches));
+      fields.emplace_back("val_loss",
+                          validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches));
     metrics.write(step, fields);
     progress.update(step, loss, tokens_per_step / seconds);
     if (std::isnan(first_loss)) first_loss = loss;
@@ -488,7 +498,8 @@ void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, doub
                  100.0 * ms / step_ms);
   }
   const double in_ops = total / static_cast<double>(steps);
-  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "all ops", "", in_ops, 100.0 * in_ops / step_ms);
+  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "all ops", "", in_ops,
+               100.0 * in_ops / step_ms);
   std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "step (median wall time)", "", step_ms, 100.0);
 }
 }  // namespace
@@ -551,7 +562,8 @@ LoadedModel load_model(const std::string& path, const std::string& device_name) 
     OCTET_ERROR("checkpoint ", path, ": unreadable config metadata (", e.what(), ")");
   }
   m.precision = Precision::from_name(metadata_at(file, "precision"));
-  std::string dev = device_name == "auto" ? (cuda_device_count() > 0 ? "cuda" : "cpu") : device_name;
+  std::string dev =
+      device_name == "auto" ? (cuda_device_count() > 0 ? "cuda" : "cpu") : device_name;
   const Device device = Device::parse(dev);
   check_device_available(device);
   TrainState s = make_train_state(m.config, m.precision, device, 0, false);
@@ -572,8 +584,7 @@ void run_eval(const std::string& checkpoint, const std::string& device, int64_t 
   std::printf("val loss: %.4f over %lld batch(es) of %s\n",
               validation_loss(*m.model, *data, batch, seq, batches),
               (long long)std::min(batches, data->val_batch_count(batch, seq)), spec.c_str());
-  if (spec == "builtin")
-    print_arithmetic_skill(*m.model);
+  if (spec == "builtin") print_arithmetic_skill(*m.model);
 }
 
 void run_generate(const std::string& checkpoint, const std::string& device,
@@ -620,11 +631,12 @@ void run_inspect(const std::string& checkpoint) {
       const int64_t cols = h.size(-1);
       return h.size(0) > 1 ? v[cols + col] : v[col];
     };
-    std::printf("%-28s %12.5g %12.5g %12.5g %12.5g %12.5g %12.5g\n", module.c_str(),
-                fwd_scale[0], newest(fwd_hist, 0), fwd_scale[1], newest(fwd_hist, 1),
-                bwd_scale[0], newest(bwd_hist, 0));
+    std::printf("%-28s %12.5g %12.5g %12.5g %12.5g %12.5g %12.5g\n", module.c_str(), fwd_scale[0],
+                newest(fwd_hist, 0), fwd_scale[1], newest(fwd_hist, 1), bwd_scale[0],
+                newest(bwd_hist, 0));
   }
-  if (!any) std::printf("(no FP8 state: a %s checkpoint)\n", metadata_at(file, "precision").c_str());
+  if (!any)
+    std::printf("(no FP8 state: a %s checkpoint)\n", metadata_at(file, "precision").c_str());
 }
 
 }  // namespace octet::train

@@ -420,7 +420,8 @@ TEST_P(LinearBackendTest, FusedInputFromANormMatchesQuantizingTheNormOutput) {
     SCOPED_TRACE("step " + std::to_string(step));
     const Tensor x =
         testing::random_tensor({kRows, kIn}, DType::bf16, seed + 3 + step, 4.0f).to(device);
-    const Tensor dy = testing::random_tensor({kRows, kOut}, DType::bf16, seed + 5 + step).to(device);
+    const Tensor dy =
+        testing::random_tensor({kRows, kOut}, DType::bf16, seed + 5 + step).to(device);
     const auto norm = [&](const ops::FusedQuantize* fused) {
       Tensor h = Tensor::empty({kRows, kIn}, DType::bf16, device);
       Tensor mean = Tensor::empty({kRows}, DType::f32, device);

@@ -39,6 +39,11 @@ struct WeightCast {
   fp8::QuantizedTensor q;  ///< FP8: [out, in] row-wise and [in, out] transposed (for dgrad)
   Tensor scale;            ///< FP8 per-tensor recipes: the scale used, f32[1]
   Tensor dense;            ///< high precision: [out, in] in the compute dtype (f32: the master)
+  /// The bias rounded to bf16, for bf16 outputs: cuBLASLt fuses a bias into a bf16-output GEMM
+  /// (FP8 ones included) only when the bias is bf16 too; otherwise a second pass over the output
+  /// adds it, which made FP8 forward GEMMs at K = 1600 run at half speed (H200, 2026-11-30).
+  /// Undefined without a bias.
+  Tensor bias_bf16;
 };
 
 /// Linear layer on one device. Parameters, gradients, FP8 state and every intermediate live on
@@ -90,7 +95,8 @@ class Linear {
   Linear(const Linear&) = delete;
   Linear& operator=(const Linear&) = delete;
 
-  /// y [..., out] (x's dtype) = x [..., in] (f32 or bf16) W^T + b. Under fp8_autocast the GEMM
+  /// y [..., out] (x's dtype) = x [..., in] (f32 or bf16) W^T + b (b rounded to bf16 when y is
+  /// bf16). Under fp8_autocast the GEMM
   /// runs in FP8 per the active recipe (whose dimensions must then be multiples of 16); otherwise
   /// in the compute dtype. Fills `saved` for backward.
   Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal);
@@ -145,6 +151,8 @@ class Linear {
   /// scaling the input and weight scales in use) and the state registration. `saved` holds the
   /// original snapshot for recompute.
   Saved start_record(const Saved& saved, ForwardMode mode);
+  /// The bias a GEMM into y adds: bf16 for a bf16 y (see WeightCast::bias_bf16), else the master.
+  Tensor output_bias(const WeightCast& cast, const Tensor& y) const;
   void forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved);
   void forward_dense(const Tensor& x, const Tensor& y, Saved& saved);
   void backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved);

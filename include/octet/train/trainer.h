@@ -11,29 +11,29 @@ namespace octet::train {
 
 /// Everything `octet train` takes. Zero / empty means "the default for the device".
 struct TrainOptions {
-  std::string device = "auto";          ///< cpu, cuda, cuda:N; auto = cuda when a GPU is visible
+  std::string device = "auto";  ///< cpu, cuda, cuda:N; auto = cuda when a GPU is visible
   std::string precision = "fp8-delayed";
-  std::string model;                    ///< preset; default tiny on CPU, gpt2-124m on GPU
+  std::string model;  ///< preset; default tiny on CPU, gpt2-124m on GPU
   int64_t layers = 0, dim = 0, heads = 0, ffn = 0, vocab = 0;  ///< preset overrides
   std::string data = "builtin";
   int64_t steps = 0;
   int64_t batch = 0;
   int64_t seq = 0;
   int64_t accum = 1;
-  double lr = 0;                        ///< peak learning rate
-  int64_t warmup = -1;                  ///< warmup steps; -1 = 5% of steps
+  double lr = 0;        ///< peak learning rate
+  int64_t warmup = -1;  ///< warmup steps; -1 = 5% of steps
   double weight_decay = 0.1;
   double grad_clip = 1.0;
   uint64_t seed = 1337;
   bool recompute = false;
   bool deterministic = false;
   std::string out = "runs/latest";
-  int64_t save_every = 0;               ///< 0: only at the end
-  std::string resume;                   ///< checkpoint path
-  int64_t eval_every = 0;               ///< 0: only at the end
+  int64_t save_every = 0;  ///< 0: only at the end
+  std::string resume;      ///< checkpoint path
+  int64_t eval_every = 0;  ///< 0: only at the end
   int64_t eval_batches = 8;
-  int64_t fp8_stats_every = 50;         ///< 0: never
-  int64_t log_every = 10;               ///< plain progress lines when not on a terminal
+  int64_t fp8_stats_every = 50;  ///< 0: never
+  int64_t log_every = 10;        ///< plain progress lines when not on a terminal
 };
 
 /// Resolves "auto"/defaults for the machine: device, model preset, steps, batch, seq, lr.

@@ -135,16 +135,32 @@ __global__ void dequantize_mxfp8_to_bf16_kernel(const uint8_t* q, const uint8_t*
   out[i] = fp8::encode_bf16(value);
 }
 
-// d[row, col] += bias[col] for row-major d [rows, cols], in f32, rounded once to d's dtype.
+// d[row, col] += bias[col] for row-major d [rows, cols], in f32, rounded once to d's dtype: the
+// fallback when cuBLASLt declines the bias epilogue. A thread owns kBiasCols adjacent columns
+// (loading their bias once) of kBiasRows rows, so there is no per-element division.
+constexpr int kBiasCols = 2;
+constexpr int kBiasRows = 8;
 __global__ void add_bias_kernel(void* d, const void* bias, int64_t rows, int64_t cols, bool d_bf16,
                                 bool bias_bf16) {
-  const int64_t i = global_index();
-  if (i >= rows * cols) return;
-  const float value = load_float(d, i, d_bf16) + load_float(bias, i % cols, bias_bf16);
-  if (d_bf16) {
-    static_cast<uint16_t*>(d)[i] = fp8::encode_bf16(value);
-  } else {
-    static_cast<float*>(d)[i] = value;
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kBiasCols;
+  if (c0 >= cols) return;
+  const int n = cols - c0 < kBiasCols ? static_cast<int>(cols - c0) : kBiasCols;
+  float b[kBiasCols];
+  for (int k = 0; k < n; ++k) b[k] = load_float(bias, c0 + k, bias_bf16);
+  // Grid-stride over groups of kBiasRows rows: gridDim.y is capped at CUDA's 65535.
+  for (int64_t group = blockIdx.y; group * kBiasRows < rows; group += gridDim.y) {
+    const int64_t r1 = min(rows, (group + 1) * kBiasRows);
+    for (int64_t r = group * kBiasRows; r < r1; ++r) {
+      for (int k = 0; k < n; ++k) {
+        const int64_t i = r * cols + c0 + k;
+        const float value = load_float(d, i, d_bf16) + b[k];
+        if (d_bf16) {
+          static_cast<uint16_t*>(d)[i] = fp8::encode_bf16(value);
+        } else {
+          static_cast<float*>(d)[i] = value;
+        }
+      }
+    }
   }
 }
 
@@ -204,9 +220,12 @@ Tensor dequantize_mxfp8(const GemmOperand& x, cudaStream_t stream) {
 
 void add_bias(const Tensor& d, const Tensor& bias, int64_t rows, int64_t cols,
               cudaStream_t stream) {
-  add_bias_kernel<<<grid_for(rows * cols), kThreadsPerBlock, 0, stream>>>(
-      d.raw_data(), bias.raw_data(), rows, cols, d.dtype() == DType::bf16,
-      bias.dtype() == DType::bf16);
+  constexpr int64_t kMaxGridY = 65535;
+  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(cols, kBiasCols), kThreadsPerBlock)),
+                  static_cast<unsigned>(std::min(ceil_div(rows, kBiasRows), kMaxGridY)));
+  add_bias_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(d.raw_data(), bias.raw_data(), rows, cols,
+                                                         d.dtype() == DType::bf16,
+                                                         bias.dtype() == DType::bf16);
   OCTET_CHECK_LAUNCH();
 }
 
