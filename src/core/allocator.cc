@@ -31,9 +31,11 @@ void* device_alloc(size_t bytes, const Device& device) {
     cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
     cudaMemGetInfo(&free_bytes, &total_bytes);
-    OCTET_ERROR("out of GPU memory on ", device, ": needed ", bytes, " bytes (",
-                bytes / (1 << 20), " MiB) with ", free_bytes / (1 << 20), " MiB free of ",
-                total_bytes / (1 << 20), " MiB");
+    throw OutOfMemoryError(__FILE__, __LINE__,
+                           detail::concat("out of GPU memory on ", device, ": needed ", bytes,
+                                          " bytes (", bytes / (1 << 20), " MiB) more with ",
+                                          free_bytes / (1 << 20), " MiB free of ",
+                                          total_bytes / (1 << 20), " MiB"));
   }
   return ptr;
 #else

@@ -397,9 +397,20 @@ RunSetup prepare_run(const TrainOptions& requested) {
   check_run_shape(o, run.config, run.precision);
   return run;
 }
-}  // namespace
+/// Runs `body`, turning a failed GPU allocation into advice for this run's options.
+template <typename Body>
+void with_memory_advice(const TrainOptions& o, Body&& body) {
+  try {
+    body();
+  } catch (const OutOfMemoryError& e) {
+    OCTET_ERROR(e.message(), ". The model, its optimizer state and the activations of one "
+                "microbatch must fit: try a smaller --batch (now ", o.batch,
+                "; raise --accum to keep the tokens per step)",
+                o.recompute ? "" : " or --recompute (keeps only each block's input for backward)");
+  }
+}
 
-void run_train(const TrainOptions& options) {
+void train(const TrainOptions& options) {
   RunSetup run = prepare_run(options);
   const TrainOptions& o = run.options;
   const Device& device = run.device;
@@ -485,7 +496,6 @@ void run_train(const TrainOptions& options) {
               human_count(tokens_per_step * static_cast<double>(o.steps)).c_str());
 }
 
-namespace {
 /// The op profiler's totals over `steps` steps of `step_ms` median wall time each, as a table.
 void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms) {
   double total = 0;
@@ -502,9 +512,8 @@ void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, doub
                100.0 * in_ops / step_ms);
   std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "step (median wall time)", "", step_ms, 100.0);
 }
-}  // namespace
 
-void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
+void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
   RunSetup run = prepare_run(options);
   const TrainOptions& o = run.options;
   const Device& device = run.device;
@@ -539,6 +548,16 @@ void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool
       config.preset.c_str(), precision.name().c_str(), device.str().c_str(), (long long)o.batch,
       (long long)o.seq, (long long)o.accum, o.recompute ? "true" : "false", (long long)o.steps,
       median, peak_gib, (long long)config.parameter_count(), loss);
+}
+
+}  // namespace
+
+void run_train(const TrainOptions& options) {
+  with_memory_advice(options, [&] { train(options); });
+}
+
+void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
+  with_memory_advice(options, [&] { train_benchmark(options, warmup_steps, profile); });
 }
 
 namespace {

@@ -7,7 +7,7 @@
 
 namespace octet {
 
-/// The one exception type thrown by octet. what() holds "file:line: message".
+/// The exception type thrown by octet. what() holds "file:line: message".
 class Error : public std::runtime_error {
  public:
   Error(const char* file, int line, const std::string& message);
@@ -16,6 +16,13 @@ class Error : public std::runtime_error {
 
  private:
   std::string message_;
+};
+
+/// A device allocation failed: callers that know what the memory was for (the trainer) add
+/// advice; everyone else treats it as an Error.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
 };
 
 namespace detail {
