@@ -2,9 +2,13 @@
 // through dispatch() (device guard + NVTX range).
 #include "octet/ops/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <ostream>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "ops/dispatch.h"
 #include "ops/optimizer_backend.h"
@@ -12,8 +16,9 @@
 namespace octet::ops {
 namespace {
 
-/// Throws unless `t` is a non-empty f32 tensor, naming `op` and `what`.
-void check_f32(const Tensor& t, const char* op, const std::string& what) {
+/// Throws unless `t` is a non-empty f32 tensor, naming `op` and `what` (anything streamable).
+template <typename Name>
+void check_f32(const Tensor& t, const char* op, const Name& what) {
   OCTET_CHECK(t.defined(), op, ": ", what, " is an undefined tensor");
   OCTET_CHECK(t.dtype() == DType::f32, op, ": ", what, " must be f32, got ", t.describe());
   OCTET_CHECK(t.numel() > 0, op, ": ", what, " is an empty tensor (", t.describe(), ")");
@@ -30,6 +35,7 @@ void check_finite(float value, const char* op, const char* name, const char* exp
               value);
 }
 
+/// Everything of AdamWArgs but the weight decay, which the multi-tensor step takes per tensor.
 void check_adamw_args(const AdamWArgs& a, const char* op) {
   check_finite(a.lr, op, "lr", ">= 0");
   OCTET_CHECK(a.lr >= 0.0f, op, ": lr must be >= 0, got ", a.lr);
@@ -37,10 +43,77 @@ void check_adamw_args(const AdamWArgs& a, const char* op) {
   OCTET_CHECK(a.beta2 >= 0.0f && a.beta2 < 1.0f, op, ": beta2 must be in [0, 1), got ", a.beta2);
   check_finite(a.eps, op, "eps", "> 0");
   OCTET_CHECK(a.eps > 0.0f, op, ": eps must be > 0, got ", a.eps);
-  check_finite(a.weight_decay, op, "weight_decay", ">= 0");
-  OCTET_CHECK(a.weight_decay >= 0.0f, op, ": weight_decay must be >= 0, got ", a.weight_decay);
   OCTET_CHECK(a.step >= 1, op, ": step is 1-based and must be >= 1, got ", a.step);
   check_finite(a.max_grad_norm, op, "max_grad_norm", "<= 0 disables clipping");
+}
+
+/// A field of an AdamW entry as messages name it: "grad" in the one-tensor step (index < 0),
+/// "tensors[3].grad" in the multi-tensor step. Streamed only when a check fails, so validating
+/// hundreds of entries every step builds no strings.
+struct EntryName {
+  int index;
+  const char* field;
+};
+
+std::ostream& operator<<(std::ostream& out, const EntryName& name) {
+  if (name.index >= 0) out << "tensors[" << name.index << "].";
+  return out << name.field;
+}
+
+/// Throws unless entry `index` (param, grad, m, v) holds f32 tensors of param's shape on
+/// norm_sq's device, and a finite weight decay >= 0.
+void check_adamw_tensor(const AdamWTensor& t, int index, const Tensor& norm_sq, const char* op) {
+  const std::pair<const Tensor*, const char*> state[] = {
+      {&t.param, "param"}, {&t.grad, "grad"}, {&t.m, "m"}, {&t.v, "v"}};
+  for (const auto& [tensor, field] : state) check_f32(*tensor, op, EntryName{index, field});
+  for (const auto& [tensor, field] : state) {
+    OCTET_CHECK(tensor->shape() == t.param.shape(), op, ": ", EntryName{index, field},
+                " must have param's shape ", shape_str(t.param.shape()), ", got ",
+                tensor->describe());
+    OCTET_CHECK(tensor->device() == norm_sq.device(), op,
+                ": all tensors must be on one device, got norm_sq ", norm_sq.describe(), " and ",
+                EntryName{index, field}, " ", tensor->describe());
+  }
+  const EntryName decay{index, "weight_decay"};
+  OCTET_CHECK(std::isfinite(t.weight_decay), op, ": ", decay, " must be finite (>= 0), got ",
+              t.weight_decay);
+  OCTET_CHECK(t.weight_decay >= 0.0f, op, ": ", decay, " must be >= 0, got ", t.weight_decay);
+}
+
+/// Throws if two entries write the same memory (a tensor listed twice): one launch updates all
+/// entries at once, so unlike one step per tensor it would race instead of stepping twice.
+void check_no_overlap(const AdamWTensor* tensors, int count, const char* op) {
+  struct Range {
+    uintptr_t begin, end;
+    int entry;
+    const char* name;
+  };
+  std::vector<Range> written;
+  for (int i = 0; i < count; ++i) {
+    const std::pair<const Tensor*, const char*> state[] = {
+        {&tensors[i].param, "param"}, {&tensors[i].m, "m"}, {&tensors[i].v, "v"}};
+    for (const auto& [t, name] : state) {
+      const auto begin = reinterpret_cast<uintptr_t>(t->raw_data());
+      written.push_back({begin, begin + t->nbytes(), i, name});
+    }
+  }
+  // Stable, so a message about ranges that start together names them in the order given.
+  std::stable_sort(written.begin(), written.end(),
+                   [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < written.size(); ++k) {
+    const Range &a = written[k - 1], &b = written[k];
+    OCTET_CHECK(b.begin >= a.end, op, ": tensors[", b.entry, "].", b.name, " overlaps tensors[",
+                a.entry, "].", a.name, " in memory; every tensor written must appear once");
+  }
+}
+
+/// Runs the validated step on norm_sq's device.
+void run_adamw(const AdamWTensor* tensors, int count, const Tensor& norm_sq, const AdamWArgs& args,
+               const char* op) {
+  const AdamWCoefficients coefficients = adamw_coefficients(args);
+  dispatch(
+      norm_sq.device(), op, [&] { cpu::adamw_step(tensors, count, norm_sq, coefficients); },
+      [&] { OCTET_CUDA_ONLY(cuda::adamw_step(tensors, count, norm_sq, coefficients)); });
 }
 
 }  // namespace
@@ -66,23 +139,23 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                 const Tensor& norm_sq, const AdamWArgs& args) {
   constexpr const char* op = "adamw_step";
-  check_f32(param, op, "param");
-  check_f32(grad, op, "grad");
-  check_f32(m, op, "m");
-  check_f32(v, op, "v");
-  const std::pair<const Tensor*, const char*> same_shape[] = {
-      {&grad, "grad"}, {&m, "m"}, {&v, "v"}};
-  for (const auto& [t, name] : same_shape)
-    OCTET_CHECK(t->shape() == param.shape(), op, ": ", name, " must have param's shape ",
-                shape_str(param.shape()), ", got ", t->describe());
   check_norm_sq(norm_sq, op);
-  const Device device = common_device({&param, &grad, &m, &v, &norm_sq}, op);
+  const AdamWTensor one{param, grad, m, v, args.weight_decay};
+  check_adamw_tensor(one, -1, norm_sq, op);
   check_adamw_args(args, op);
-  const AdamWCoefficients coefficients = adamw_coefficients(args);
+  run_adamw(&one, 1, norm_sq, args, op);
+}
 
-  dispatch(
-      device, op, [&] { cpu::adamw_step(param, grad, m, v, norm_sq, coefficients); },
-      [&] { OCTET_CUDA_ONLY(cuda::adamw_step(param, grad, m, v, norm_sq, coefficients)); });
+void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
+                const AdamWArgs& args) {
+  constexpr const char* op = "adamw_step";
+  OCTET_CHECK(count >= 1, op, ": expected at least one tensor, got count ", count);
+  OCTET_CHECK(tensors != nullptr, op, ": tensors is null but count is ", count);
+  check_norm_sq(norm_sq, op);
+  for (int i = 0; i < count; ++i) check_adamw_tensor(tensors[i], i, norm_sq, op);
+  check_no_overlap(tensors, count, op);
+  check_adamw_args(args, op);
+  run_adamw(tensors, count, norm_sq, args, op);
 }
 
 }  // namespace octet::ops

@@ -20,13 +20,13 @@ namespace octet::ops {
 /// Added to the gradient norm before dividing by it (the contract in octet/ops/optimizer.h).
 inline constexpr float kClipEpsilon = 1e-6f;
 
-/// AdamWArgs resolved on the host into the f32 constants the step uses.
+/// AdamWArgs resolved on the host into the f32 constants the step shares across tensors (the
+/// weight decay is per tensor, so it travels with each tensor instead).
 struct AdamWCoefficients {
   float lr;
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float eps;
-  float weight_decay;
   float bias_correction1;  ///< 1 - beta1^step, computed in double, rounded once
   float bias_correction2;  ///< 1 - beta2^step, computed in double, rounded once
   float max_grad_norm;
@@ -42,7 +42,6 @@ inline AdamWCoefficients adamw_coefficients(const AdamWArgs& args) {
   c.beta2 = args.beta2;
   c.one_minus_beta2 = 1.0f - args.beta2;
   c.eps = args.eps;
-  c.weight_decay = args.weight_decay;
   c.bias_correction1 = static_cast<float>(1.0 - std::pow(static_cast<double>(args.beta1), step));
   c.bias_correction2 = static_cast<float>(1.0 - std::pow(static_cast<double>(args.beta2), step));
   c.max_grad_norm = args.max_grad_norm;
@@ -86,14 +85,14 @@ OCTET_HD float adamw_clip_factor(float norm_sq, float max_grad_norm) {
 /// i.e. param -= lr * (mhat / (sqrt(vhat) + eps) + weight_decay * param) with the decay read from
 /// the weight before the update.
 OCTET_HD void adamw_update(float& param, float grad, float& m, float& v, const AdamWCoefficients& c,
-                           float clip) {
+                           float weight_decay, float clip) {
   const float g = rn::mul(grad, clip);
   m = rn::fma(c.beta1, m, rn::mul(c.one_minus_beta1, g));
   v = rn::fma(c.beta2, v, rn::mul(rn::mul(c.one_minus_beta2, g), g));
   const float m_hat = rn::div(m, c.bias_correction1);
   const float v_hat = rn::div(v, c.bias_correction2);
   const float update = rn::div(m_hat, rn::add(rn::sqrt(v_hat), c.eps));
-  param = rn::fma(-c.lr, rn::fma(c.weight_decay, param, update), param);
+  param = rn::fma(-c.lr, rn::fma(weight_decay, param, update), param);
 }
 
 }  // namespace octet::ops

@@ -97,6 +97,9 @@ struct TrainState {
   std::vector<Parameter> params;
   std::vector<Tensor> adam_m, adam_v;
   int64_t step = 0;
+  /// params and moments as the multi-tensor AdamW step takes them; built by the first step (not
+  /// checkpointed: restoring copies into the same tensors, so the table stays valid).
+  std::vector<ops::AdamWTensor> adamw;
 };
 
 std::vector<std::pair<std::string, Tensor>> checkpoint_tensors(TrainState& s) {
@@ -308,17 +311,20 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
   Tensor(norm_sq).zero();
   ops::global_norm_squared(grads.data(), static_cast<int>(grads.size()), norm_sq);
   r.lr = learning_rate(o.lr, o.warmup, step);
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    ops::AdamWArgs args;
-    args.lr = static_cast<float>(r.lr);
-    args.beta1 = kBeta1;
-    args.beta2 = kBeta2;
-    args.eps = kAdamEps;
-    args.weight_decay = s.params[i].weight_decay ? static_cast<float>(o.weight_decay) : 0.0f;
-    args.step = step;
-    args.max_grad_norm = static_cast<float>(o.grad_clip);
-    ops::adamw_step(s.params[i].value, s.params[i].grad, s.adam_m[i], s.adam_v[i], norm_sq, args);
+  if (s.adamw.empty()) {
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const float decay = s.params[i].weight_decay ? static_cast<float>(o.weight_decay) : 0.0f;
+      s.adamw.push_back({s.params[i].value, s.params[i].grad, s.adam_m[i], s.adam_v[i], decay});
+    }
   }
+  ops::AdamWArgs args;
+  args.lr = static_cast<float>(r.lr);
+  args.beta1 = kBeta1;
+  args.beta2 = kBeta2;
+  args.eps = kAdamEps;
+  args.step = step;
+  args.max_grad_norm = static_cast<float>(o.grad_clip);
+  ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), norm_sq, args);
   s.model->on_weights_updated();
   r.grad_norm = std::sqrt(static_cast<double>(item_f32(norm_sq)));  // waits for the step
   s.step = step;

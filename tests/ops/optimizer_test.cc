@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <iterator>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -204,6 +206,111 @@ TEST(AdamWMath, ClipFactorIsAsDocumented) {
 }
 
 // ----------------------------------------------------------------------------
+// adamw_step over many tensors
+
+struct MultiCase {
+  Device backend;
+  std::string name;
+  std::vector<Shape> shapes;
+  int64_t step;
+};
+
+std::vector<MultiCase> multi_cases() {
+  // Sizes around the float4 width and the kAdamWChunk boundary, GPT-2's bias and gain sizes, and
+  // awkward ones; most are not a multiple of 4.
+  const std::vector<Shape> mix = {{1},     {2},     {3},     {4},     {5},       {7},   {17, 5},
+                                  {768},   {1600},  {1601},  {3221},  {2333, 1}, {31},  {1000},
+                                  {16383}, {16384}, {16385}, {12289}, {65537},   {2304}};
+  std::vector<Shape> many;  // more tensors than one CUDA launch describes (640)
+  for (int i = 0; i < 700; ++i) many.push_back({i % 7 + 1});
+  std::vector<MultiCase> cases;
+  for (const Device& d : testing::all_backends()) {
+    cases.push_back({d, "one_1", {{1}}, 1});
+    cases.push_back({d, "one_3", {{3}}, 7});
+    cases.push_back({d, "one_1481x677", {{1481, 677}}, 1000});
+    cases.push_back({d, "one_65537", {{65537}}, 3});
+    cases.push_back({d, "mix_of_20", mix, 5});
+    cases.push_back({d, "seven_hundred", many, 2});
+  }
+  return cases;
+}
+
+/// A tensor holding `values` on `device`. With `misalign`, it starts one float into its storage,
+/// so its address is 4 bytes off a 16-byte boundary (the CUDA kernel's scalar path).
+Tensor placed(const Tensor& values, const Device& device, bool misalign) {
+  if (!misalign) return values.to(device);
+  const int64_t n = values.numel();
+  Tensor t = Tensor::empty({n + 1}, DType::f32, device).slice(1, n + 1).view(values.shape());
+  t.copy_from(values);
+  return t;
+}
+
+using AdamWMultiTensor = testing::SeededParityTest<MultiCase>;
+
+TEST_P(AdamWMultiTensor, EqualsOneStepPerTensorAndTheCpuBitwise) {
+  const MultiCase& p = GetParam();
+  // Decays as the trainer mixes them: 0 for biases and gains, one value for the matrices, and
+  // others, so an entry that took another entry's decay would show.
+  constexpr float kDecays[] = {0.0f, 0.1f, 0.01f, 0.3f};
+  ops::AdamWArgs args;
+  args.lr = 1e-3f;
+  args.step = p.step;
+  args.max_grad_norm = 1.0f;
+  // Norm from ~0.3 to ~30: clipping is active in most runs, and the clip factor differs each run.
+  const float norm_sq = std::uniform_real_distribution<float>(0.1f, 900.0f)(rng);
+  const Tensor cpu_norm = Tensor::from_vector({norm_sq}, {1});
+  const Tensor norm = cpu_norm.to(p.backend);
+
+  std::vector<ops::AdamWTensor> reference, per_tensor, multi;
+  std::vector<Tensor> before;
+  for (size_t i = 0; i < p.shapes.size(); ++i) {
+    const Shape& shape = p.shapes[i];
+    const uint64_t s = seed + 4 * i;
+    const Tensor param = testing::random_tensor(shape, DType::f32, s);
+    const Tensor grad = testing::random_tensor(shape, DType::f32, s + 1);
+    const Tensor m = testing::random_tensor(shape, DType::f32, s + 2, 0.1f);
+    Tensor v = testing::random_tensor(shape, DType::f32, s + 3, 0.01f);
+    for (int64_t j = 0; j < v.numel(); ++j) v.data<float>()[j] = std::fabs(v.data<float>()[j]);
+    const float decay = kDecays[rng() % std::size(kDecays)];
+    before.push_back(param);
+    reference.push_back({param.clone(), grad, m.clone(), v.clone(), decay});
+    per_tensor.push_back(
+        {param.to(p.backend), grad.to(p.backend), m.to(p.backend), v.to(p.backend), decay});
+    // Some entries misaligned in one of their tensors, so both kernel paths run in one launch.
+    multi.push_back({placed(param, p.backend, i % 5 == 2), placed(grad, p.backend, i % 5 == 3),
+                     placed(m, p.backend, i % 5 == 4), placed(v, p.backend, false), decay});
+  }
+
+  for (ops::AdamWTensor& t : reference) {
+    args.weight_decay = t.weight_decay;
+    ops::adamw_step(t.param, t.grad, t.m, t.v, cpu_norm, args);
+  }
+  for (ops::AdamWTensor& t : per_tensor) {
+    args.weight_decay = t.weight_decay;
+    ops::adamw_step(t.param, t.grad, t.m, t.v, norm, args);
+  }
+  args.weight_decay = 0.5f;  // documented as unread: the entries' own decays apply
+  ops::adamw_step(multi.data(), static_cast<int>(multi.size()), norm, args);
+
+  for (size_t i = 0; i < multi.size(); ++i) {
+    SCOPED_TRACE("tensor " + std::to_string(i) + " " + shape_str(p.shapes[i]) + " decay " +
+                 std::to_string(multi[i].weight_decay));
+    ASSERT_FALSE(bitwise_equal(before[i], reference[i].param)) << "the step left param as it was";
+    EXPECT_TRUE(bitwise_equal(reference[i].param, multi[i].param)) << "param, multi vs CPU";
+    EXPECT_TRUE(bitwise_equal(reference[i].m, multi[i].m)) << "m, multi vs CPU";
+    EXPECT_TRUE(bitwise_equal(reference[i].v, multi[i].v)) << "v, multi vs CPU";
+    EXPECT_TRUE(bitwise_equal(reference[i].param, per_tensor[i].param)) << "param, one tensor";
+    EXPECT_TRUE(bitwise_equal(reference[i].m, per_tensor[i].m)) << "m, one tensor";
+    EXPECT_TRUE(bitwise_equal(reference[i].v, per_tensor[i].v)) << "v, one tensor";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, AdamWMultiTensor, ::testing::ValuesIn(multi_cases()),
+                         [](const ::testing::TestParamInfo<MultiCase>& info) {
+                           return device_name(info.param.backend) + "_" + info.param.name;
+                         });
+
+// ----------------------------------------------------------------------------
 // CUDA: bit-exact agreement and repeatability
 
 TEST(OptimizerCuda, AdamWAndNormEqualCpuBitwiseOverSeveralSteps) {
@@ -346,6 +453,81 @@ TEST(OptimizerBadInput, AdamWNamesWhatIsWrong) {
       {"max_grad_norm must be finite"});
 }
 
+TEST(OptimizerBadInput, MultiTensorAdamWNamesTheEntry) {
+  auto entry = [](const Shape& shape, uint64_t seed) {
+    return ops::AdamWTensor{testing::random_tensor(shape, DType::f32, seed),
+                            testing::random_tensor(shape, DType::f32, seed + 1),
+                            Tensor::zeros(shape, DType::f32), Tensor::zeros(shape, DType::f32),
+                            0.1f};
+  };
+  const std::vector<ops::AdamWTensor> good = {entry({3, 4}, 1), entry({5}, 3), entry({7}, 5)};
+  const Tensor norm_sq = Tensor::from_vector({1.0f}, {1});
+  const ops::AdamWArgs args;
+  auto step = [&](std::vector<ops::AdamWTensor> tensors, const Tensor& norm = Tensor()) {
+    ops::adamw_step(tensors.data(), static_cast<int>(tensors.size()),
+                    norm.defined() ? norm : norm_sq, args);
+  };
+  /// `good` with entry i changed by `change`.
+  auto with = [&](size_t i, auto change) {
+    std::vector<ops::AdamWTensor> tensors = good;
+    change(tensors[i]);
+    return tensors;
+  };
+  expect_error([&] { ops::adamw_step(good.data(), 0, norm_sq, args); },
+               {"adamw_step", "expected at least one tensor, got count 0"});
+  expect_error([&] { ops::adamw_step(nullptr, 2, norm_sq, args); },
+               {"tensors is null but count is 2"});
+  expect_error([&] { step(with(1, [](auto& t) { t.grad = Tensor::zeros({4}, DType::f32); })); },
+               {"adamw_step: tensors[1].grad must have param's shape [5], got f32[4]"});
+  expect_error([&] { step(with(2, [](auto& t) {
+                       t.v = Tensor::zeros({1, 7}, DType::f32);
+                     })); },
+               {"tensors[2].v must have param's shape [7], got f32[1, 7]"});
+  expect_error([&] { step(with(2, [](auto& t) { t.m = Tensor::zeros({7}, DType::bf16); })); },
+               {"tensors[2].m must be f32, got bf16[7]"});
+  expect_error([&] { step(with(0, [](auto& t) {
+                       t.param = Tensor::zeros({3, 4}, DType::i32);
+                     })); },
+               {"tensors[0].param must be f32, got i32[3, 4]"});
+  expect_error([&] { step(with(1, [](auto& t) { t.grad = Tensor(); })); },
+               {"tensors[1].grad is an undefined tensor"});
+  expect_error(
+      [&] {
+        step(with(0, [](auto& t) {
+          for (Tensor* x : {&t.param, &t.grad, &t.m, &t.v}) *x = Tensor::empty({0}, DType::f32);
+        }));
+      },
+      {"tensors[0].param is an empty tensor"});
+  expect_error([&] { step(with(2, [](auto& t) { t.weight_decay = -1.0f; })); },
+               {"tensors[2].weight_decay must be >= 0, got -1"});
+  expect_error([&] { step(with(1, [](auto& t) { t.weight_decay = NAN; })); },
+               {"tensors[1].weight_decay must be finite"});
+  expect_error([&] { step(good, Tensor::zeros({2}, DType::f32)); },
+               {"norm_sq must be f32[1], got f32[2]"});
+  // One launch steps all entries at once, so a tensor listed twice would race.
+  expect_error(
+      [&] {
+        step({good[0], good[1], good[0]});
+      },
+      {"tensors[2].param overlaps tensors[0].param in memory"});
+  expect_error([&] { step(with(1, [](auto& t) { t.v = t.m; })); },
+               {"tensors[1].v overlaps tensors[1].m in memory"});
+  expect_error([&] { step(with(0, [](auto& t) { t.m = t.param; })); },
+               {"tensors[0].m overlaps tensors[0].param"});
+  const Tensor big = Tensor::zeros({8}, DType::f32);
+  expect_error(
+      [&] {
+        step({good[0],
+              {good[1].param, good[1].grad, big.slice(0, 5), good[1].v, 0.0f},
+              {good[2].param, good[2].grad, good[2].m, big.slice(1, 8), 0.0f}});
+      },
+      {"tensors[2].v overlaps tensors[1].m in memory"});
+  ops::AdamWArgs bad_step;
+  bad_step.step = 0;
+  expect_error([&] { ops::adamw_step(good.data(), 3, norm_sq, bad_step); },
+               {"step is 1-based and must be >= 1, got 0"});
+}
+
 TEST(OptimizerDevices, MixedDevicesAreRefused) {
   const Device gpu = Device::cuda(0);
   OCTET_SKIP_IF_UNAVAILABLE(gpu);
@@ -356,6 +538,10 @@ TEST(OptimizerDevices, MixedDevicesAreRefused) {
                {"adamw_step: all tensors must be on one device", "cuda:0"});
   expect_error([&] { ops::global_norm_squared(&g, 1, Tensor::empty({1}, DType::f32)); },
                {"global_norm_squared: all tensors must be on one device", "grads[0]"});
+  const ops::AdamWTensor tensors[] = {{p, p.clone(), m, v, 0.1f},
+                                      {p.clone(), g, m.clone(), v.clone(), 0.0f}};
+  expect_error([&] { ops::adamw_step(tensors, 2, Tensor::from_vector({1.0f}, {1}), {}); },
+               {"adamw_step: all tensors must be on one device", "tensors[1].grad", "cuda:0"});
 }
 
 }  // namespace

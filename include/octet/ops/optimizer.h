@@ -14,9 +14,11 @@ struct AdamWArgs {
   float beta1 = 0.9f;
   float beta2 = 0.95f;
   float eps = 1e-8f;
-  float weight_decay = 0.1f;  ///< decoupled: param -= lr * weight_decay * param
-  int64_t step = 1;           ///< 1-based, for bias correction
-  float max_grad_norm = 1.0f; ///< clip threshold; <= 0 disables clipping
+  /// Decoupled: param -= lr * weight_decay * param. Read by the one-tensor adamw_step only; the
+  /// multi-tensor step takes each tensor's own AdamWTensor::weight_decay instead.
+  float weight_decay = 0.1f;
+  int64_t step = 1;            ///< 1-based, for bias correction
+  float max_grad_norm = 1.0f;  ///< clip threshold; <= 0 disables clipping
 };
 
 /// One AdamW step for param/grad/m/v (f32, same shape and device). The gradient is scaled by
@@ -24,5 +26,17 @@ struct AdamWArgs {
 /// clipping needs no host synchronisation.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                 const Tensor& norm_sq, const AdamWArgs& args);
+
+/// One parameter tensor of a multi-tensor AdamW step, with the state the step updates.
+struct AdamWTensor {
+  Tensor param, grad, m, v;   ///< f32, all of param's shape
+  float weight_decay = 0.0f;  ///< this tensor's decoupled decay (0 for biases and norm gains)
+};
+
+/// The one-tensor adamw_step for every entry of `tensors` (count >= 1, all on norm_sq's device),
+/// in one kernel launch on CUDA. Entry i gets, bit for bit, what adamw_step would give it with
+/// args.weight_decay = tensors[i].weight_decay; args.weight_decay itself is not read.
+void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
+                const AdamWArgs& args);
 
 }  // namespace octet::ops

@@ -1,6 +1,6 @@
 // CPU reference of the optimizer family. global_norm_squared follows the fixed order of
-// optimizer_backend.h and adamw_step runs optimizer_math.h's scalar step, so the CUDA backend
-// reproduces both bit for bit.
+// optimizer_backend.h and adamw_step runs optimizer_math.h's scalar step on every element of every
+// tensor, so the CUDA backend reproduces both bit for bit.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -45,16 +45,33 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
   norm_sq.data<float>()[0] = static_cast<float>(total);
 }
 
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                const Tensor& norm_sq, const AdamWCoefficients& coefficients) {
-  float* p = param.data<float>();
-  const float* g = grad.data<float>();
-  float* ms = m.data<float>();
-  float* vs = v.data<float>();
+void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
+                const AdamWCoefficients& coefficients) {
+  // All chunks of all tensors in one parallel loop, as global_norm_squared does: the many small
+  // tensors (biases, norm gains) then neither wake a team each nor leave threads idle.
+  std::vector<int64_t> first_chunk(count + 1, 0);
+  int64_t elements = 0;
+  for (int i = 0; i < count; ++i) {
+    const int64_t n = tensors[i].param.numel();
+    first_chunk[i + 1] = first_chunk[i] + (n + kAdamWChunk - 1) / kAdamWChunk;
+    elements += n;
+  }
+  const int64_t chunks = first_chunk[count];
   const float clip = adamw_clip_factor(norm_sq.data<float>()[0], coefficients.max_grad_norm);
-  const int64_t n = param.numel();
-#pragma omp parallel for schedule(static) if (n >= kParallelMinElements)
-  for (int64_t i = 0; i < n; ++i) adamw_update(p[i], g[i], ms[i], vs[i], coefficients, clip);
+#pragma omp parallel for schedule(static) if (elements >= kParallelMinElements)
+  for (int64_t global = 0; global < chunks; ++global) {
+    const int i = static_cast<int>(
+        std::upper_bound(first_chunk.begin(), first_chunk.end(), global) - first_chunk.begin() - 1);
+    const AdamWTensor& t = tensors[i];
+    const int64_t begin = (global - first_chunk[i]) * kAdamWChunk;
+    const int64_t end = std::min(begin + kAdamWChunk, t.param.numel());
+    float* p = t.param.data<float>();
+    const float* g = t.grad.data<float>();
+    float* ms = t.m.data<float>();
+    float* vs = t.v.data<float>();
+    for (int64_t j = begin; j < end; ++j)
+      adamw_update(p[j], g[j], ms[j], vs[j], coefficients, t.weight_decay, clip);
+  }
 }
 
 }  // namespace octet::ops::cpu

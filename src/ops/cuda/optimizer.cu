@@ -1,8 +1,8 @@
 // CUDA backend of the optimizer family. global_norm_squared reduces in the fixed order of
 // optimizer_backend.h (per-chunk partials, per-tensor sums of the partials, tensors in the given
-// order), with no float atomics; adamw_step runs optimizer_math.h's scalar step. Both equal the
-// CPU reference bit for bit, and neither synchronises with the host (the clip factor is read from
-// norm_sq on the device).
+// order), with no float atomics; adamw_step runs optimizer_math.h's scalar step over all tensors in
+// one launch. Both equal the CPU reference bit for bit, and neither synchronises with the host
+// (the clip factor is read from norm_sq on the device) nor allocates for the step.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,6 +17,12 @@ namespace {
 
 /// Threads per block of the element-wise AdamW kernel.
 constexpr int kAdamWThreads = 256;
+/// Bytes of parameters one kernel launch may take: 32,764 since CUDA 12.1 on Volta and newer
+/// (CUDA C++ Programming Guide, "Function Parameters"); octet builds for sm_90 with CUDA 13.
+constexpr size_t kMaxKernelParamBytes = 32764;
+/// Tensors per launch of the AdamW kernel: as many as fit in the parameters (48 bytes each), so
+/// GPT-2 1.5B's 580 parameter tensors take one launch. Longer lists take one launch per 640.
+constexpr int kAdamWMaxTensors = 640;
 /// Tensors described per launch of the norm kernels. The batch travels as a kernel parameter
 /// (about 0.8 KB, well under the 4 KB every CUDA version accepts), so no descriptor table has to
 /// be copied to the device.
@@ -31,6 +37,25 @@ struct NormBatch {
   int count;
   int first_tensor;  ///< index of data[0] among all tensors of the call
 };
+
+/// A batch of tensors for the AdamW kernel, passed by value as a __grid_constant__ parameter (no
+/// descriptor table to allocate and upload, so a step stays free of host copies). Tensor j owns
+/// the CTAs [first_chunk[j], first_chunk[j + 1]) of the launch, one per kAdamWChunk elements.
+struct AdamWBatch {
+  float* param[kAdamWMaxTensors];
+  const float* grad[kAdamWMaxTensors];
+  float* m[kAdamWMaxTensors];
+  float* v[kAdamWMaxTensors];
+  int64_t numel[kAdamWMaxTensors];
+  float weight_decay[kAdamWMaxTensors];
+  int32_t first_chunk[kAdamWMaxTensors + 1];
+  int count;
+};
+// The kernel's parameters lie in order, each at its alignment; AdamWBatch's size is a multiple of
+// its 8-byte alignment, so nothing pads between the three.
+static_assert(sizeof(AdamWBatch) + sizeof(const float*) + sizeof(AdamWCoefficients) <=
+                  kMaxKernelParamBytes,
+              "the AdamW kernel's parameters exceed the launch limit");
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -78,19 +103,67 @@ __global__ void norm_total_kernel(const double* __restrict__ tensor_sums, int co
   norm_sq[0] = static_cast<float>(total);
 }
 
-/// One thread per element. Every thread derives the clip factor from norm_sq itself (a broadcast
-/// load), so the host never waits for the norm.
-__global__ void adamw_kernel(float* __restrict__ param, const float* __restrict__ grad,
-                             float* __restrict__ m, float* __restrict__ v,
-                             const float* __restrict__ norm_sq, AdamWCoefficients c, int64_t n) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n) return;
+/// The step on four consecutive elements.
+__device__ __forceinline__ void adamw_update4(float4& p, const float4& g, float4& m, float4& v,
+                                              const AdamWCoefficients& c, float weight_decay,
+                                              float clip) {
+  adamw_update(p.x, g.x, m.x, v.x, c, weight_decay, clip);
+  adamw_update(p.y, g.y, m.y, v.y, c, weight_decay, clip);
+  adamw_update(p.z, g.z, m.z, v.z, c, weight_decay, clip);
+  adamw_update(p.w, g.w, m.w, v.w, c, weight_decay, clip);
+}
+
+/// One CTA per chunk of kAdamWChunk elements of one tensor, so large and small tensors share one
+/// grid. Every thread derives the clip factor from norm_sq itself (a broadcast load), so the host
+/// never waits for the norm.
+__global__ void __launch_bounds__(kAdamWThreads)
+    adamw_multi_tensor_kernel(const __grid_constant__ AdamWBatch batch,
+                              const float* __restrict__ norm_sq, const AdamWCoefficients c) {
+  // This CTA's tensor: the last j with first_chunk[j] <= chunk (first_chunk strictly increases,
+  // every tensor being non-empty). The search is uniform over the CTA.
+  const int chunk = static_cast<int>(blockIdx.x);
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.first_chunk[mid] <= chunk) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  const int j = lo;
+  const int64_t begin = static_cast<int64_t>(chunk - batch.first_chunk[j]) * kAdamWChunk;
+  const int n = static_cast<int>(min(kAdamWChunk, batch.numel[j] - begin));
+  float* __restrict__ param = batch.param[j] + begin;
+  const float* __restrict__ grad = batch.grad[j] + begin;
+  float* __restrict__ m = batch.m[j] + begin;
+  float* __restrict__ v = batch.v[j] + begin;
+  const float weight_decay = batch.weight_decay[j];
   const float clip = adamw_clip_factor(norm_sq[0], c.max_grad_norm);
-  float p = param[i], mi = m[i], vi = v[i];
-  adamw_update(p, grad[i], mi, vi, c, clip);
-  param[i] = p;
-  m[i] = mi;
-  v[i] = vi;
+
+  // float4 accesses when all four tensors are 16-byte aligned (a chunk starts at a multiple of 4
+  // elements, so it is aligned when its tensor is); the order of elements does not matter, since
+  // each is updated on its own.
+  const uintptr_t addresses = reinterpret_cast<uintptr_t>(param) |
+                              reinterpret_cast<uintptr_t>(grad) | reinterpret_cast<uintptr_t>(m) |
+                              reinterpret_cast<uintptr_t>(v);
+  const int vectors = addresses % alignof(float4) == 0 ? n / 4 : 0;
+  for (int i = threadIdx.x; i < vectors; i += kAdamWThreads) {
+    float4 p = reinterpret_cast<const float4*>(param)[i];
+    float4 mi = reinterpret_cast<const float4*>(m)[i];
+    float4 vi = reinterpret_cast<const float4*>(v)[i];
+    adamw_update4(p, reinterpret_cast<const float4*>(grad)[i], mi, vi, c, weight_decay, clip);
+    reinterpret_cast<float4*>(param)[i] = p;
+    reinterpret_cast<float4*>(m)[i] = mi;
+    reinterpret_cast<float4*>(v)[i] = vi;
+  }
+  for (int i = 4 * vectors + threadIdx.x; i < n; i += kAdamWThreads) {
+    float p = param[i], mi = m[i], vi = v[i];
+    adamw_update(p, grad[i], mi, vi, c, weight_decay, clip);
+    param[i] = p;
+    m[i] = mi;
+    v[i] = vi;
+  }
 }
 
 }  // namespace
@@ -138,18 +211,32 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
   OCTET_CHECK_LAUNCH();
 }
 
-void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                const Tensor& norm_sq, const AdamWCoefficients& coefficients) {
-  const Device& device = param.device();
+void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
+                const AdamWCoefficients& coefficients) {
+  const Device& device = norm_sq.device();
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
-  const int64_t n = param.numel();
-  const int64_t blocks = ceil_div(n, kAdamWThreads);
-  OCTET_CHECK(blocks <= INT32_MAX, "adamw_step: ", n, " elements exceed the 1-D grid limit");
-  adamw_kernel<<<static_cast<unsigned>(blocks), kAdamWThreads, 0, stream>>>(
-      param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(),
-      norm_sq.data<float>(), coefficients, n);
-  OCTET_CHECK_LAUNCH();
+  for (int first = 0; first < count; first += kAdamWMaxTensors) {
+    AdamWBatch batch{};
+    batch.count = std::min(kAdamWMaxTensors, count - first);
+    for (int j = 0; j < batch.count; ++j) {
+      const AdamWTensor& t = tensors[first + j];
+      batch.param[j] = t.param.data<float>();
+      batch.grad[j] = t.grad.data<float>();
+      batch.m[j] = t.m.data<float>();
+      batch.v[j] = t.v.data<float>();
+      batch.numel[j] = t.param.numel();
+      batch.weight_decay[j] = t.weight_decay;
+      const int64_t next_chunk = batch.first_chunk[j] + ceil_div(t.param.numel(), kAdamWChunk);
+      OCTET_CHECK(next_chunk <= INT32_MAX, "adamw_step: ", next_chunk,
+                  " chunks in one launch exceed the grid limit");
+      batch.first_chunk[j + 1] = static_cast<int32_t>(next_chunk);
+    }
+    adamw_multi_tensor_kernel<<<static_cast<unsigned>(batch.first_chunk[batch.count]),
+                                kAdamWThreads, 0, stream>>>(batch, norm_sq.data<float>(),
+                                                            coefficients);
+    OCTET_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace octet::ops::cuda
