@@ -98,6 +98,7 @@ benchmark::internal::Benchmark* configure(benchmark::internal::Benchmark* b);
 void register_memory_benchmarks();
 void register_gemm_benchmarks();
 void register_linear_benchmarks();
+void register_attention_benchmarks();
 
 }  // namespace octet::bench
 

@@ -2,8 +2,10 @@
 //
 // Two paths compute the same function (the CPU reference in src/ops/cpu/attention.cc):
 // - bf16 with head_dim 64 or 128 and 16-byte aligned tensors: flash-attention-2 style kernels on
-//   BF16 tensor cores (mma.sync.m16n8k16, f32 accumulation). A CTA of 4 warps owns 64 rows
-//   (queries, or keys in the dK/dV kernel), 16 per warp; the other operand streams through
+//   BF16 tensor cores (mma.sync.m16n8k16, f32 accumulation). A CTA of 4 warps owns 16 or 32
+//   rows per warp (queries, or keys in the dK/dV kernel; FastTiles and AttentionTiling say which
+//   kernel uses which, and why), and every fragment a warp loads from shared memory (ldmatrix)
+//   feeds all of its row blocks; the other operand streams through
 //   double-buffered shared memory (cp.async), tiles entirely above the causal diagonal are never
 //   visited, and the softmax is online (running max and sum per row, base 2). P and dS are
 //   rounded to bf16 to feed the tensor cores, as in FlashAttention-2.
@@ -35,6 +37,7 @@
 #include "octet/core/cuda_context.h"
 #include "octet/fp8/format.h"
 #include "ops/attention_backend.h"
+#include "ops/cuda/attention_tiling.h"
 
 namespace octet::ops::cuda {
 namespace {
@@ -53,11 +56,9 @@ constexpr int kMmaN = 8;
 constexpr int kMmaK = 16;
 constexpr int kFastWarps = 4;
 constexpr int kFastThreads = kFastWarps * kWarpSize;
-/// Rows a CTA owns: queries in the forward and dQ kernels, keys in the dK/dV kernel.
-constexpr int kTile = kFastWarps * kMmaM;  // 64
 /// Shared-memory rows are padded by 8 bf16 (16 bytes): rows stay 16-byte aligned for cp.async and
 /// ldmatrix, and consecutive rows start 4 banks apart (row stride = 4 mod 32 words for head_dim 64
-/// and 128), so the 8 rows x 4 words of a fragment load hit 32 distinct banks.
+/// and 128), so the 8 rows x 16 bytes of each ldmatrix phase hit 32 distinct banks.
 constexpr int kPad = 8;
 /// bf16 elements per 16-byte cp.async.
 constexpr int kChunk = 8;
@@ -65,14 +66,51 @@ constexpr uintptr_t kFastAlignment = 16;
 /// The largest gridDim.y (CUDA Programming Guide, "Compute Capabilities": 65535).
 constexpr int64_t kMaxGridY = 65535;
 
-/// Rows of the streamed operand per step of the backward kernels (queries in dK/dV, keys in dQ):
-/// two f32 accumulators of 16 x head_dim plus two 16 x step score tiles must fit in a thread's
-/// 255 registers: 64 + 64 + 32 + 32 floats at head_dim 64, 64 + 64 + 16 + 16 halves at 128.
-template <int kD>
-constexpr int backward_step() {
-  static_assert(kD == 64 || kD == 128, "the register budget is sized for head_dim 64 and 128");
-  return kD == 64 ? 64 : 32;
-}
+/// Tile sizes of the tensor-core kernels for head_dim kD with kM m16 row blocks per warp
+/// (AttentionTiling: kRows16 is kM = 1, kRows32 is kM = 2).
+///
+/// Why kM = 2: each B fragment a warp loads from shared memory (K or V in the forward, Q or dO in
+/// dK/dV, K or V in dQ) feeds kM MMAs, one per row block. With kM = 1 every m16n8k16 MMA (4096
+/// MACs) needs 256 bytes of ldmatrix traffic, and the SM's 128 bytes/clock of shared memory
+/// bandwidth then caps mma.sync near its own rate; kM = 2 halves that. The price is registers:
+/// the f32 accumulators double, which is why kM = 2 is for head_dim 64 only.
+///
+/// The streamed steps keep each kernel's live f32 tiles within the 255 registers of a thread
+/// (counts per thread: a 16 x n f32 tile per warp is n/2 registers):
+/// - forward: O (kM*16 x kD) + S (kM*16 x kKeys): 32+32 (kM=1, D=64), 64+32 (D=128), 64+64
+///   (kM=2), plus the Q fragments (kM*16 x kD bf16: 16, 32, 32);
+/// - dK/dV: dK + dV (2 x kM*16 x kD) + S^T + dP^T (2 x kM*16 x kDkdvStep): 64+32 (kM=1, D=64,
+///   step 64), 128+16 (D=128, step 32), 128+64 (kM=2, step 32); K and V fragments are reloaded
+///   from shared memory every step;
+/// - dQ: dQ + S + dP plus the Q and dO fragments held for the whole kernel: 32+64+32 (kM=1,
+///   D=64, step 64), 64+32+64 (D=128, step 32), 64+64+64 (kM=2, step 32).
+template <int kD, int kM>
+struct FastTiles {
+  static_assert(kD == 64 || kD == 128, "tiles and register use are sized for head_dim 64 and 128");
+  static_assert(kM == 1 || (kM == 2 && kD == 64),
+                "two row blocks per warp fit the register budget at head_dim 64 only");
+  /// Rows a warp owns, and a CTA: queries in the forward and dQ kernels, keys in dK/dV.
+  static constexpr int kWarpRows = kM * kMmaM;
+  static constexpr int kCtaRows = kFastWarps * kWarpRows;
+  /// Keys per step of the forward (FlashAttention-2's kBlockN for head_dim 64 and 128).
+  static constexpr int kKeys = 64;
+  /// Queries per step of the dK/dV kernel and keys per step of the dQ kernel.
+  static constexpr int kDkdvStep = (kM == 1 && kD == 64) ? 64 : 32;
+  static constexpr int kDqStep = kDkdvStep;
+  static constexpr int kStride = kD + kPad;
+  static constexpr size_t kRowBytes = kStride * sizeof(uint16_t);
+  /// Dynamic shared memory: forward Q + double-buffered K and V; dK/dV K and V + double-buffered
+  /// Q, dO and the row statistics (lse, delta); dQ Q and dO + double-buffered K and V.
+  static constexpr size_t kForwardSmem = (kCtaRows + 4 * kKeys) * kRowBytes;
+  static constexpr size_t kDkdvSmem =
+      (2 * kCtaRows + 4 * kDkdvStep) * kRowBytes + 4 * kDkdvStep * sizeof(float);
+  static constexpr size_t kDqSmem = (2 * kCtaRows + 4 * kDqStep) * kRowBytes;
+  static_assert(kKeys % (2 * kMmaN) == 0 && kDkdvStep % (2 * kMmaN) == 0 &&
+                    kDqStep % (2 * kMmaN) == 0 && kD % (2 * kMmaN) == 0,
+                "B fragments are loaded in pairs of n8 tiles (ldmatrix.x4)");
+  static_assert(kCtaRows % kDkdvStep == 0, "dK/dV query steps start on key-tile boundaries");
+  static_assert(kDkdvStep <= kFastThreads, "one thread per query loads the row statistics");
+};
 
 // Simple path.
 constexpr int kMaxHeadDim = 256;
@@ -130,6 +168,15 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+/// Four 8x8 bf16 matrices from shared memory: lanes 8i..8i+7 give the row addresses of matrix i,
+/// and lane l receives elements 2*(l%4), 2*(l%4)+1 of row l/4 of each matrix.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(p))
+               : "memory");
+}
+
 /// Four 8x8 bf16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row addresses
 /// of matrix i, and lane l receives rows 2*(l%4), 2*(l%4)+1 of column l/4 of each matrix.
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* p) {
@@ -139,10 +186,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16
                : "memory");
 }
 
-/// Two consecutive bf16 (the first in the low half), as one 32-bit word.
-__device__ __forceinline__ uint32_t load_pair(const uint16_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) is the low half
   uint32_t bits;
@@ -159,57 +202,137 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // Two adjacent C tiles (cols 0-7, 8-15) of the same rows therefore hold exactly the A fragment
 // of those 16 columns, which is how P and dS feed the next product without shared memory.
 
-/// A fragments of the warp's 16 rows x kK columns, stored at `rows` (row stride kK + kPad).
-template <int kK>
-__device__ __forceinline__ void load_a(uint32_t (&a)[kK / kMmaK][4], const uint16_t* rows) {
+/// A fragments of kM row blocks (16 rows each) x columns [kc*16, kc*16 + 16) stored at `rows`
+/// (row stride kK + kPad), by ldmatrix: lanes 0-15 address rows 0-15 at column kc*16 (matrices
+/// 0, 1: rows g and g+8 of the first 8 columns), lanes 16-31 the same rows 8 columns on
+/// (matrices 2, 3).
+template <int kM, int kK>
+__device__ __forceinline__ void load_a_chunk(uint32_t (&a)[kM][4], const uint16_t* rows, int kc) {
   constexpr int kStride = kK + kPad;
-  const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+  const int lane = threadIdx.x % kWarpSize;
+  const uint16_t* p = rows + (lane % 16) * kStride + lane / 16 * 8 + kc * kMmaK;
 #pragma unroll
-  for (int kc = 0; kc < kK / kMmaK; ++kc) {
-    const uint16_t* p = rows + g * kStride + kc * kMmaK + 2 * t;
-    a[kc][0] = load_pair(p);
-    a[kc][1] = load_pair(p + 8 * kStride);
-    a[kc][2] = load_pair(p + 8);
-    a[kc][3] = load_pair(p + 8 * kStride + 8);
-  }
+  for (int m = 0; m < kM; ++m) ldmatrix_x4(a[m], p + m * kMmaM * kStride);
 }
 
-/// acc (16 x kN) += A (16 x kK) * B^T, where B is kN rows of kK in shared memory (row stride
-/// kK + kPad): the "rows times rows" product, e.g. S = Q K^T. B's fragment {rows 2t.., col g}
-/// of B^T is two consecutive elements of B's row g.
-template <int kN, int kK>
-__device__ __forceinline__ void mma_abt(float (&acc)[kN / kMmaN][4],
-                                        const uint32_t (&a)[kK / kMmaK][4], const uint16_t* b) {
-  constexpr int kStride = kK + kPad;
-  const int lane = threadIdx.x % kWarpSize, g = lane / 4, t = lane % 4;
+/// A fragments of kM row blocks x all kK columns stored at `rows` (see load_a_chunk). The two
+/// spellings are the same loads; ptxas fits each kernel in 255 registers without spills with
+/// one of them only (checked with -Xptxas -v), hence the choice by kM.
+template <int kM, int kK>
+__device__ __forceinline__ void load_a(uint32_t (&a)[kM][kK / kMmaK][4], const uint16_t* rows) {
+  if constexpr (kM == 1) {
+    constexpr int kStride = kK + kPad;
+    const int lane = threadIdx.x % kWarpSize;
+    const uint16_t* p = rows + (lane % 16) * kStride + lane / 16 * 8;
 #pragma unroll
-  for (int nt = 0; nt < kN / kMmaN; ++nt) {
+    for (int kc = 0; kc < kK / kMmaK; ++kc) ldmatrix_x4(a[0][kc], p + kc * kMmaK);
+  } else {
 #pragma unroll
     for (int kc = 0; kc < kK / kMmaK; ++kc) {
-      const uint16_t* p = b + (nt * kMmaN + g) * kStride + kc * kMmaK + 2 * t;
-      mma_bf16(acc[nt], a[kc], load_pair(p), load_pair(p + 8));
+      uint32_t chunk[kM][4];
+      load_a_chunk<kM, kK>(chunk, rows, kc);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a[m][kc][i] = chunk[m][i];
+      }
     }
   }
 }
 
-/// acc (16 x kN) += A (16 x kK) * B, where B is kK rows of kN in shared memory (row stride
+/// acc += A B^T as mma_abt, with A (kM row blocks at `a_rows`, row stride kK + kPad) read from
+/// shared memory: whole into registers for one row block, one 16-column chunk at a time for
+/// two, whose accumulators leave no room for all of A. (Chosen by what ptxas fits in 255
+/// registers without spilling in the dK/dV kernel.)
+template <int kM, int kN, int kK>
+__device__ __forceinline__ void mma_abt_from_shared(float (&acc)[kM][kN / kMmaN][4],
+                                                    const uint16_t* a_rows, const uint16_t* b);
+
+/// acc (kM*16 x kN) += A (kM*16 x kK) * B^T, where B is kN rows of kK in shared memory (row
+/// stride kK + kPad): the "rows times rows" product, e.g. S = Q K^T. B's fragment {rows 2t..,
+/// col g} of B^T is two consecutive elements of B's row g, so plain ldmatrix gives it: lanes 0-7
+/// address rows 0-7 at column kc*16, lanes 8-15 the same rows at column kc*16 + 8 ({b0, b1} of
+/// n-tile 2np), lanes 16-31 rows 8-15 likewise (n-tile 2np+1). Each fragment feeds kM MMAs.
+template <int kM, int kN, int kK>
+__device__ __forceinline__ void mma_abt(float (&acc)[kM][kN / kMmaN][4],
+                                        const uint32_t (&a)[kM][kK / kMmaK][4], const uint16_t* b) {
+  constexpr int kStride = kK + kPad;
+  const int lane = threadIdx.x % kWarpSize;
+  const uint16_t* p = b + (lane / 16 * kMmaN + lane % 8) * kStride + lane / 8 % 2 * 8;
+#pragma unroll
+  for (int np = 0; np < kN / (2 * kMmaN); ++np) {
+#pragma unroll
+    for (int kc = 0; kc < kK / kMmaK; ++kc) {
+      uint32_t f[4];
+      ldmatrix_x4(f, p + np * 2 * kMmaN * kStride + kc * kMmaK);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma_bf16(acc[m][2 * np], a[m][kc], f[0], f[1]);
+        mma_bf16(acc[m][2 * np + 1], a[m][kc], f[2], f[3]);
+      }
+    }
+  }
+}
+
+/// mma_abt with A read from shared memory (rows at `a_rows`, stride kK + kPad) one 16-column
+/// chunk at a time, for kernels whose registers cannot hold all of A next to their accumulators.
+template <int kM, int kN, int kK>
+__device__ __forceinline__ void mma_abt_shared_a(float (&acc)[kM][kN / kMmaN][4],
+                                                 const uint16_t* a_rows, const uint16_t* b) {
+  constexpr int kStride = kK + kPad;
+  const int lane = threadIdx.x % kWarpSize;
+  const uint16_t* p = b + (lane / 16 * kMmaN + lane % 8) * kStride + lane / 8 % 2 * 8;
+#pragma unroll
+  for (int kc = 0; kc < kK / kMmaK; ++kc) {
+    uint32_t a[kM][4];
+    load_a_chunk<kM, kK>(a, a_rows, kc);
+#pragma unroll
+    for (int np = 0; np < kN / (2 * kMmaN); ++np) {
+      uint32_t f[4];
+      ldmatrix_x4(f, p + np * 2 * kMmaN * kStride + kc * kMmaK);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma_bf16(acc[m][2 * np], a[m], f[0], f[1]);
+        mma_bf16(acc[m][2 * np + 1], a[m], f[2], f[3]);
+      }
+    }
+  }
+}
+
+template <int kM, int kN, int kK>
+__device__ __forceinline__ void mma_abt_from_shared(float (&acc)[kM][kN / kMmaN][4],
+                                                    const uint16_t* a_rows, const uint16_t* b) {
+  if constexpr (kM == 1) {
+    uint32_t a[kM][kK / kMmaK][4];
+    load_a<kM, kK>(a, a_rows);
+    mma_abt<kM, kN, kK>(acc, a, b);
+  } else {
+    mma_abt_shared_a<kM, kN, kK>(acc, a_rows, b);
+  }
+}
+
+/// acc (kM*16 x kN) += A (kM*16 x kK) * B, where B is kK rows of kN in shared memory (row stride
 /// kN + kPad): e.g. O += P V. B's fragments need two elements of one column, so they come
 /// through ldmatrix.trans: lanes 0-15 address rows kc*16 + 0..15 at column np*16, lanes 16-31
-/// the same rows at column np*16 + 8, giving {b0, b1} of n-tiles 2np and 2np+1.
-template <int kK, int kN>
-__device__ __forceinline__ void mma_ab(float (&acc)[kN / kMmaN][4],
-                                       const uint32_t (&a)[kK / kMmaK][4], const uint16_t* b) {
+/// the same rows at column np*16 + 8, giving {b0, b1} of n-tiles 2np and 2np+1. Each fragment
+/// feeds kM MMAs.
+template <int kM, int kK, int kN>
+__device__ __forceinline__ void mma_ab(float (&acc)[kM][kN / kMmaN][4],
+                                       const uint32_t (&a)[kM][kK / kMmaK][4], const uint16_t* b) {
   constexpr int kStride = kN + kPad;
   const int lane = threadIdx.x % kWarpSize;
+  const uint16_t* p = b + (lane % 16) * kStride + lane / 16 * kMmaN;
 #pragma unroll
   for (int kc = 0; kc < kK / kMmaK; ++kc) {
 #pragma unroll
     for (int np = 0; np < kN / (2 * kMmaN); ++np) {
       uint32_t f[4];
-      ldmatrix_x4_trans(
-          f, b + (kc * kMmaK + lane % 16) * kStride + np * 2 * kMmaN + lane / 16 * kMmaN);
-      mma_bf16(acc[2 * np], a[kc], f[0], f[1]);
-      mma_bf16(acc[2 * np + 1], a[kc], f[2], f[3]);
+      ldmatrix_x4_trans(f, p + kc * kMmaK * kStride + np * 2 * kMmaN);
+#pragma unroll
+      for (int m = 0; m < kM; ++m) {
+        mma_bf16(acc[m][2 * np], a[m][kc], f[0], f[1]);
+        mma_bf16(acc[m][2 * np + 1], a[m][kc], f[2], f[3]);
+      }
     }
   }
 }
@@ -274,145 +397,165 @@ __device__ __forceinline__ uint16_t* shared_bf16() {
   return reinterpret_cast<uint16_t*>(attention_smem);
 }
 
-/// Forward. Grid (B*H, ceil(T/64)); the CTA owns queries [q0, q0+64) of one head and streams key
-/// tiles 0..q_tile (the causal diagonal tile last, the only one that needs masking). Query tiles
-/// run from the last (most work) to the first, for a balanced tail.
-template <int kD>
+/// Forward. Grid (B*H, ceil(T/kCtaRows)); the CTA owns queries [q0, q0 + kCtaRows) of one head
+/// and streams key tiles of kKeys up to the diagonal. Query tiles run from the last (most work)
+/// to the first, for a balanced tail. A warp skips the key tiles past its last row and masks only
+/// those that cross its rows' diagonal.
+template <int kD, int kM>
 __global__ void __launch_bounds__(kFastThreads)
     attention_forward_bf16_kernel(const uint16_t* __restrict__ qkv, uint16_t* __restrict__ out,
                                   float* __restrict__ lse, int T, int H, float scale_log2) {
-  static_assert(kD == 64 || kD == 128, "tiles and register use are sized for head_dim 64 and 128");
-  constexpr int kStride = kD + kPad;
-  constexpr int kTileElems = kTile * kStride;
-  uint16_t* q_s = shared_bf16();         // [kTile][kStride]
-  uint16_t* k_s = q_s + kTileElems;      // [2][kTile][kStride]
-  uint16_t* v_s = k_s + 2 * kTileElems;  // [2][kTile][kStride]
+  using Tiles = FastTiles<kD, kM>;
+  constexpr int kRows = Tiles::kCtaRows, kKeys = Tiles::kKeys, kStride = Tiles::kStride;
+  constexpr int kKeyElems = kKeys * kStride;
+  uint16_t* q_s = shared_bf16();               // [kRows][kStride]
+  uint16_t* k_s = q_s + kRows * kStride;       // [2][kKeys][kStride]
+  uint16_t* v_s = k_s + 2 * kKeyElems;         // [2][kKeys][kStride]
 
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int q_tile = gridDim.y - 1 - blockIdx.y;
-  const int q0 = q_tile * kTile;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kRows;
   const int64_t stride = 3LL * H * kD;
   const uint16_t* q_g = qkv + static_cast<int64_t>(b) * T * stride + static_cast<int64_t>(h) * kD;
   const uint16_t* k_g = q_g + static_cast<int64_t>(H) * kD;
   const uint16_t* v_g = k_g + static_cast<int64_t>(H) * kD;
 
-  load_tile<kTile, kD>(q_s, q_g + q0 * stride, stride, T - q0);
+  load_tile<kRows, kD>(q_s, q_g + q0 * stride, stride, T - q0);
   cp_async_commit();
-  load_tile<kTile, kD>(k_s, k_g, stride, T);
-  load_tile<kTile, kD>(v_s, v_g, stride, T);
+  load_tile<kKeys, kD>(k_s, k_g, stride, T);
+  load_tile<kKeys, kD>(v_s, v_g, stride, T);
   cp_async_commit();
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, t = lane % 4;
-  const int row0 = q0 + warp * kMmaM + lane / 4;  // this thread's query rows: row0, row0 + 8
-  cp_async_wait<1>();                             // Q has landed
+  const int first = q0 + warp * Tiles::kWarpRows;  // the warp's first query row
+  const int last = first + Tiles::kWarpRows - 1;
+  const int row0 = first + lane / 4;  // this thread's rows: row0 + 16 * mi + 8 * r
+  cp_async_wait<1>();                 // Q has landed
   __syncthreads();
-  uint32_t qf[kD / kMmaK][4];
-  load_a<kD>(qf, q_s + warp * kMmaM * kStride);
+  uint32_t qf[kM][kD / kMmaK][4];
+  load_a<kM, kD>(qf, q_s + warp * Tiles::kWarpRows * kStride);
 
-  float o[kD / kMmaN][4] = {};
-  float m[2] = {-INFINITY, -INFINITY};  // running max of the base-2 scores
-  float l[2] = {0.0f, 0.0f};            // running sum of exp2(score - m), this thread's columns
-  for (int kt = 0; kt <= q_tile; ++kt) {
+  float o[kM][kD / kMmaN][4] = {};
+  float m[kM][2], l[kM][2];  // running max of the base-2 scores; sum of exp2(score - m)
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      m[mi][r] = -INFINITY;
+      l[mi][r] = 0.0f;  // this thread's columns only, until the final quad sum
+    }
+  }
+  const int tiles = (min(q0 + kRows, T) + kKeys - 1) / kKeys;
+  for (int kt = 0; kt < tiles; ++kt) {
     const int buf = kt & 1;
     // Tile kt has landed, and every warp is done with tile kt-1, whose buffer is refilled next.
     cp_async_wait<0>();
     __syncthreads();
-    if (kt < q_tile) {
-      const int next = (kt + 1) * kTile;
-      load_tile<kTile, kD>(k_s + (buf ^ 1) * kTileElems, k_g + next * stride, stride, T - next);
-      load_tile<kTile, kD>(v_s + (buf ^ 1) * kTileElems, v_g + next * stride, stride, T - next);
+    if (kt + 1 < tiles) {
+      const int next = (kt + 1) * kKeys;
+      load_tile<kKeys, kD>(k_s + (buf ^ 1) * kKeyElems, k_g + next * stride, stride, T - next);
+      load_tile<kKeys, kD>(v_s + (buf ^ 1) * kKeyElems, v_g + next * stride, stride, T - next);
       cp_async_commit();
     }
+    const int k0 = kt * kKeys;
+    if (k0 > last) continue;  // every key is after every row of this warp: all masked
 
-    float s[kTile / kMmaN][4] = {};
-    mma_abt<kTile, kD>(s, qf, k_s + buf * kTileElems);
-    const int k0 = kt * kTile;
+    float s[kM][kKeys / kMmaN][4] = {};
+    mma_abt<kM, kKeys, kD>(s, qf, k_s + buf * kKeyElems);
+    // Keys past T only occur in tiles that cross the diagonal (T > every valid row).
+    const bool diagonal = k0 + kKeys - 1 > first;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      float tile_max = -INFINITY;
+    for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-      for (int nt = 0; nt < kTile / kMmaN; ++nt) {
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + kMmaM * mi + 8 * r;
+        float tile_max = -INFINITY;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int key = k0 + nt * kMmaN + 2 * t + e;
-          float& x = s[nt][2 * r + e];
-          x = (kt == q_tile && key > row) ? -INFINITY : x * scale_log2;
-          tile_max = fmaxf(tile_max, x);
+        for (int nt = 0; nt < kKeys / kMmaN; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = k0 + nt * kMmaN + 2 * t + e;
+            float& x = s[mi][nt][2 * r + e];
+            x = (diagonal && key > row) ? -INFINITY : x * scale_log2;
+            tile_max = fmaxf(tile_max, x);
+          }
         }
-      }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
-      const float m_new = fmaxf(m[r], tile_max);
-      // Key 0 is never masked, so m_new is finite; the guard keeps -inf - -inf (NaN) out anyway.
-      const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-      const float alpha = exp2f(m[r] - m_use);
-      m[r] = m_new;
-      float sum = 0.0f;
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 2));
+        const float m_new = fmaxf(m[mi][r], tile_max);
+        // Key 0 (tile 0, never skipped) is never masked, so m_new is finite; the guard keeps
+        // -inf - -inf (NaN) out anyway.
+        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f(m[mi][r] - m_use);
+        m[mi][r] = m_new;
+        float sum = 0.0f;
 #pragma unroll
-      for (int nt = 0; nt < kTile / kMmaN; ++nt) {
+        for (int nt = 0; nt < kKeys / kMmaN; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[nt][2 * r + e];
-          x = exp2f(x - m_use);
-          sum += x;
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[mi][nt][2 * r + e];
+            x = exp2f(x - m_use);
+            sum += x;
+          }
         }
-      }
-      l[r] = l[r] * alpha + sum;
+        l[mi][r] = l[mi][r] * alpha + sum;
 #pragma unroll
-      for (int nt = 0; nt < kD / kMmaN; ++nt) {
-        o[nt][2 * r] *= alpha;
-        o[nt][2 * r + 1] *= alpha;
+        for (int nt = 0; nt < kD / kMmaN; ++nt) {
+          o[mi][nt][2 * r] *= alpha;
+          o[mi][nt][2 * r + 1] *= alpha;
+        }
       }
     }
-    uint32_t pf[kTile / kMmaK][4];
-    c_to_a<kTile>(s, pf);
-    mma_ab<kTile, kD>(o, pf, v_s + buf * kTileElems);
+    uint32_t pf[kM][kKeys / kMmaK][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) c_to_a<kKeys>(s[mi], pf[mi]);
+    mma_ab<kM, kKeys, kD>(o, pf, v_s + buf * kKeyElems);
   }
 
-  // Each row's sum is spread over the 4 lanes of its quad.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
-  }
-  const int first = q0 + warp * kMmaM;
   const int64_t out_stride = static_cast<int64_t>(H) * kD;
-  store_rows<kD>(o, out + (static_cast<int64_t>(b) * T + first) * out_stride + h * kD, out_stride,
-                 T - first, 1.0f / l[0], 1.0f / l[1]);
-  if (t == 0) {
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+    // Each row's sum is spread over the 4 lanes of its quad.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = row0 + 8 * r;
-      if (row < T) lse[static_cast<int64_t>(bh) * T + row] = m[r] * kLn2 + logf(l[r]);
+      l[mi][r] += __shfl_xor_sync(kFullMask, l[mi][r], 1);
+      l[mi][r] += __shfl_xor_sync(kFullMask, l[mi][r], 2);
+    }
+    const int block = first + kMmaM * mi;
+    store_rows<kD>(o[mi], out + (static_cast<int64_t>(b) * T + block) * out_stride + h * kD,
+                   out_stride, T - block, 1.0f / l[mi][0], 1.0f / l[mi][1]);
+    if (t == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + kMmaM * mi + 8 * r;
+        if (row < T) lse[static_cast<int64_t>(bh) * T + row] = m[mi][r] * kLn2 + logf(l[mi][r]);
+      }
     }
   }
 }
 
-/// dK and dV. Grid (B*H, ceil(T/64)); the CTA owns keys [k0, k0+64) of one head and streams the
-/// query tiles at and after the diagonal: S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T - lse),
-/// dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
-template <int kD>
+/// dK and dV. Grid (B*H, ceil(T/kCtaRows)); the CTA owns keys [k0, k0 + kCtaRows) of one head
+/// and streams the queries from k0 on in steps of kDkdvStep: S^T = K Q^T, P^T = exp2(S^T - lse),
+/// dV += P^T dO, dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q. A warp skips the steps
+/// before its first key (all masked) and masks only the step that crosses its diagonal and the
+/// one past T.
+template <int kD, int kM>
 __global__ void __launch_bounds__(kFastThreads)
     attention_dkdv_bf16_kernel(const uint16_t* __restrict__ qkv, const uint16_t* __restrict__ dout,
                                const float* __restrict__ lse, const float* __restrict__ delta,
                                uint16_t* __restrict__ dqkv, int T, int H, float scale,
                                float scale_log2) {
-  constexpr int kStep = backward_step<kD>();  // queries per step
-  static_assert(kD % kMmaK == 0 && kStep % kMmaK == 0 && kTile % kStep == 0,
-                "tiles must be whole mma tiles, and query steps must start on key tiles");
-  static_assert(kStep <= kFastThreads, "one thread per query loads the row statistics");
-  constexpr int kStride = kD + kPad;
+  using Tiles = FastTiles<kD, kM>;
+  constexpr int kRows = Tiles::kCtaRows, kStep = Tiles::kDkdvStep, kStride = Tiles::kStride;
   constexpr int kStepElems = kStep * kStride;
-  uint16_t* k_s = shared_bf16();                                   // [kTile][kStride]
-  uint16_t* v_s = k_s + kTile * kStride;                           // [kTile][kStride]
-  uint16_t* q_s = v_s + kTile * kStride;                           // [2][kStep][kStride]
+  uint16_t* k_s = shared_bf16();                                   // [kRows][kStride]
+  uint16_t* v_s = k_s + kRows * kStride;                           // [kRows][kStride]
+  uint16_t* q_s = v_s + kRows * kStride;                           // [2][kStep][kStride]
   uint16_t* do_s = q_s + 2 * kStepElems;                           // [2][kStep][kStride]
   float* lse_s = reinterpret_cast<float*>(do_s + 2 * kStepElems);  // [2][kStep], base 2
   float* delta_s = lse_s + 2 * kStep;                              // [2][kStep]
 
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int k0 = blockIdx.y * kTile;  // key tile 0 has the most queries and starts first
+  const int k0 = blockIdx.y * kRows;  // key tile 0 has the most queries and starts first
   const int64_t stride = 3LL * H * kD, out_stride = static_cast<int64_t>(H) * kD;
   const uint16_t* q_g = qkv + static_cast<int64_t>(b) * T * stride + static_cast<int64_t>(h) * kD;
   const uint16_t* k_g = q_g + out_stride;
@@ -433,16 +576,19 @@ __global__ void __launch_bounds__(kFastThreads)
       delta_s[buf * kStep + i] = q0 + i < T ? delta_g[q0 + i] : 0.0f;
     }
   };
-  load_tile<kTile, kD>(k_s, k_g + k0 * stride, stride, T - k0);
-  load_tile<kTile, kD>(v_s, v_g + k0 * stride, stride, T - k0);
+  load_tile<kRows, kD>(k_s, k_g + k0 * stride, stride, T - k0);
+  load_tile<kRows, kD>(v_s, v_g + k0 * stride, stride, T - k0);
   load_queries(k0, 0);
   cp_async_commit();
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, t = lane % 4;
-  const int key0 = k0 + warp * kMmaM + lane / 4;  // this thread's keys: key0, key0 + 8
+  const int first = k0 + warp * Tiles::kWarpRows;  // the warp's first key
+  const int key0 = first + lane / 4;               // this thread's keys: key0 + 16 * mi + 8 * r
+  const uint16_t* k_warp = k_s + warp * Tiles::kWarpRows * kStride;
+  const uint16_t* v_warp = v_s + warp * Tiles::kWarpRows * kStride;
   const int steps = (T - k0 + kStep - 1) / kStep;
-  float dk[kD / kMmaN][4] = {};
-  float dv[kD / kMmaN][4] = {};
+  float dk[kM][kD / kMmaN][4] = {};
+  float dv[kM][kD / kMmaN][4] = {};
   for (int j = 0; j < steps; ++j) {
     const int buf = j & 1, q0 = k0 + j * kStep;
     cp_async_wait<0>();
@@ -451,67 +597,84 @@ __global__ void __launch_bounds__(kFastThreads)
       load_queries(q0 + kStep, buf ^ 1);
       cp_async_commit();
     }
+    if (q0 + kStep <= first) continue;  // every query is before every key of this warp
     const uint16_t* qb = q_s + buf * kStepElems;
     const uint16_t* dob = do_s + buf * kStepElems;
     const float* lse_b = lse_s + buf * kStep;
     const float* delta_b = delta_s + buf * kStep;
 
-    float st[kStep / kMmaN][4] = {};   // S^T: this warp's 16 keys x kStep queries
-    float dpt[kStep / kMmaN][4] = {};  // dP^T
-    {
-      uint32_t af[kD / kMmaK][4];
-      load_a<kD>(af, k_s + warp * kMmaM * kStride);
-      mma_abt<kStep, kD>(st, af, qb);
-      load_a<kD>(af, v_s + warp * kMmaM * kStride);
-      mma_abt<kStep, kD>(dpt, af, dob);
-    }
-    const bool masked = q0 < k0 + kTile || q0 + kStep > T;
+    float st[kM][kStep / kMmaN][4] = {};  // S^T, then P^T: the warp's keys x kStep queries
+    mma_abt_from_shared<kM, kStep, kD>(st, k_warp, qb);
+    const bool masked = q0 < first + Tiles::kWarpRows - 1 || q0 + kStep > T;
 #pragma unroll
-    for (int nt = 0; nt < kStep / kMmaN; ++nt) {
+    for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = nt * kMmaN + 2 * t + (e & 1);  // query within the step
-        const int key = key0 + (e >= 2 ? 8 : 0);
-        float p = exp2f(st[nt][e] * scale_log2 - lse_b[qi]);
-        if (masked && (key > q0 + qi || q0 + qi >= T)) p = 0.0f;
-        st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - delta_b[qi]);
+      for (int nt = 0; nt < kStep / kMmaN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * kMmaN + 2 * t + (e & 1);  // query within the step
+          const int key = key0 + kMmaM * mi + (e >= 2 ? 8 : 0);
+          float p = exp2f(st[mi][nt][e] * scale_log2 - lse_b[qi]);
+          if (masked && (key > q0 + qi || q0 + qi >= T)) p = 0.0f;
+          st[mi][nt][e] = p;
+        }
       }
     }
-    uint32_t af[kStep / kMmaK][4];
-    c_to_a<kStep>(st, af);
-    mma_ab<kStep, kD>(dv, af, dob);
-    c_to_a<kStep>(dpt, af);
-    mma_ab<kStep, kD>(dk, af, qb);
+    {  // dV first: its bf16 P^T fragments are dead before dP^T needs registers
+      uint32_t pf[kM][kStep / kMmaK][4];
+#pragma unroll
+      for (int mi = 0; mi < kM; ++mi) c_to_a<kStep>(st[mi], pf[mi]);
+      mma_ab<kM, kStep, kD>(dv, pf, dob);
+    }
+    float dpt[kM][kStep / kMmaN][4] = {};  // dP^T, then dS^T
+    mma_abt_from_shared<kM, kStep, kD>(dpt, v_warp, dob);
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+      for (int nt = 0; nt < kStep / kMmaN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int qi = nt * kMmaN + 2 * t + (e & 1);
+          dpt[mi][nt][e] = st[mi][nt][e] * (dpt[mi][nt][e] - delta_b[qi]);
+        }
+      }
+    }
+    uint32_t dsf[kM][kStep / kMmaK][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) c_to_a<kStep>(dpt[mi], dsf[mi]);
+    mma_ab<kM, kStep, kD>(dk, dsf, qb);
   }
 
-  const int first = k0 + warp * kMmaM;
-  uint16_t* dk_g = dqkv + (static_cast<int64_t>(b) * T + first) * stride + out_stride +
-                   static_cast<int64_t>(h) * kD;
-  store_rows<kD>(dk, dk_g, stride, T - first, scale, scale);
-  store_rows<kD>(dv, dk_g + out_stride, stride, T - first, 1.0f, 1.0f);
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+    const int block = first + kMmaM * mi;
+    uint16_t* dk_g = dqkv + (static_cast<int64_t>(b) * T + block) * stride + out_stride +
+                     static_cast<int64_t>(h) * kD;
+    store_rows<kD>(dk[mi], dk_g, stride, T - block, scale, scale);
+    store_rows<kD>(dv[mi], dk_g + out_stride, stride, T - block, 1.0f, 1.0f);
+  }
 }
 
-/// dQ. Grid (B*H, ceil(T/64)); the CTA owns queries [q0, q0+64) of one head and streams the key
-/// tiles up to the diagonal: S = Q K^T, dP = dO V^T, dS = P (dP - delta), dQ += dS K.
-template <int kD>
+/// dQ. Grid (B*H, ceil(T/kCtaRows)); the CTA owns queries [q0, q0 + kCtaRows) of one head and
+/// streams the keys up to the diagonal in steps of kDqStep: S = Q K^T, dP = dO V^T,
+/// dS = P (dP - delta), dQ += dS K. Query tiles run from the last (most work) to the first. A
+/// warp skips the steps past its last row and masks only those that cross its diagonal or T.
+template <int kD, int kM>
 __global__ void __launch_bounds__(kFastThreads)
     attention_dq_bf16_kernel(const uint16_t* __restrict__ qkv, const uint16_t* __restrict__ dout,
                              const float* __restrict__ lse, const float* __restrict__ delta,
                              uint16_t* __restrict__ dqkv, int T, int H, float scale,
                              float scale_log2) {
-  constexpr int kStep = backward_step<kD>();  // keys per step
-  static_assert(kD % kMmaK == 0 && kStep % kMmaK == 0, "tiles must be whole mma tiles");
-  constexpr int kStride = kD + kPad;
+  using Tiles = FastTiles<kD, kM>;
+  constexpr int kRows = Tiles::kCtaRows, kStep = Tiles::kDqStep, kStride = Tiles::kStride;
   constexpr int kStepElems = kStep * kStride;
-  uint16_t* q_s = shared_bf16();           // [kTile][kStride]
-  uint16_t* do_s = q_s + kTile * kStride;  // [kTile][kStride]
-  uint16_t* k_s = do_s + kTile * kStride;  // [2][kStep][kStride]
+  uint16_t* q_s = shared_bf16();           // [kRows][kStride]
+  uint16_t* do_s = q_s + kRows * kStride;  // [kRows][kStride]
+  uint16_t* k_s = do_s + kRows * kStride;  // [2][kStep][kStride]
   uint16_t* v_s = k_s + 2 * kStepElems;    // [2][kStep][kStride]
 
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
-  const int q_tile = gridDim.y - 1 - blockIdx.y;
-  const int q0 = q_tile * kTile;
+  const int q0 = (gridDim.y - 1 - blockIdx.y) * kRows;
   const int64_t stride = 3LL * H * kD, out_stride = static_cast<int64_t>(H) * kD;
   const uint16_t* q_g = qkv + static_cast<int64_t>(b) * T * stride + static_cast<int64_t>(h) * kD;
   const uint16_t* k_g = q_g + out_stride;
@@ -519,32 +682,37 @@ __global__ void __launch_bounds__(kFastThreads)
   const uint16_t* do_g =
       dout + static_cast<int64_t>(b) * T * out_stride + static_cast<int64_t>(h) * kD;
 
-  load_tile<kTile, kD>(q_s, q_g + q0 * stride, stride, T - q0);
-  load_tile<kTile, kD>(do_s, do_g + q0 * out_stride, out_stride, T - q0);
+  load_tile<kRows, kD>(q_s, q_g + q0 * stride, stride, T - q0);
+  load_tile<kRows, kD>(do_s, do_g + q0 * out_stride, out_stride, T - q0);
   cp_async_commit();
   load_tile<kStep, kD>(k_s, k_g, stride, T);
   load_tile<kStep, kD>(v_s, v_g, stride, T);
   cp_async_commit();
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize, t = lane % 4;
-  const int row0 = q0 + warp * kMmaM + lane / 4;  // this thread's query rows: row0, row0 + 8
-  float lse2[2], row_delta[2];
+  const int first = q0 + warp * Tiles::kWarpRows;  // the warp's first query row
+  const int last = first + Tiles::kWarpRows - 1;
+  const int row0 = first + lane / 4;  // this thread's rows: row0 + 16 * mi + 8 * r
+  float lse2[kM][2], row_delta[kM][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    // Past the end, lse = +inf makes P = 0.
-    lse2[r] = row < T ? lse[static_cast<int64_t>(bh) * T + row] * kLog2e : INFINITY;
-    row_delta[r] = row < T ? delta[static_cast<int64_t>(bh) * T + row] : 0.0f;
+  for (int mi = 0; mi < kM; ++mi) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row0 + kMmaM * mi + 8 * r;
+      // Past the end, lse = +inf makes P = 0.
+      lse2[mi][r] = row < T ? lse[static_cast<int64_t>(bh) * T + row] * kLog2e : INFINITY;
+      row_delta[mi][r] = row < T ? delta[static_cast<int64_t>(bh) * T + row] : 0.0f;
+    }
   }
   cp_async_wait<1>();  // Q and dO have landed
   __syncthreads();
-  uint32_t qf[kD / kMmaK][4], dof[kD / kMmaK][4];
-  load_a<kD>(qf, q_s + warp * kMmaM * kStride);
-  load_a<kD>(dof, do_s + warp * kMmaM * kStride);
+  uint32_t qf[kM][kD / kMmaK][4], dof[kM][kD / kMmaK][4];
+  load_a<kM, kD>(qf, q_s + warp * Tiles::kWarpRows * kStride);
+  load_a<kM, kD>(dof, do_s + warp * Tiles::kWarpRows * kStride);
 
-  const int keys = min(q0 + kTile, T);
+  const int keys = min(q0 + kRows, T);
   const int steps = (keys + kStep - 1) / kStep;
-  float dq[kD / kMmaN][4] = {};
+  float dq[kM][kD / kMmaN][4] = {};
   for (int j = 0; j < steps; ++j) {
     const int buf = j & 1, k0 = j * kStep;
     cp_async_wait<0>();
@@ -555,33 +723,41 @@ __global__ void __launch_bounds__(kFastThreads)
       load_tile<kStep, kD>(v_s + (buf ^ 1) * kStepElems, v_g + next * stride, stride, T - next);
       cp_async_commit();
     }
+    if (k0 > last) continue;  // every key is after every row of this warp
     const uint16_t* kb = k_s + buf * kStepElems;
     const uint16_t* vb = v_s + buf * kStepElems;
 
-    float s[kStep / kMmaN][4] = {};
-    float dp[kStep / kMmaN][4] = {};
-    mma_abt<kStep, kD>(s, qf, kb);
-    mma_abt<kStep, kD>(dp, dof, vb);
-    const bool masked = k0 + kStep > q0 || k0 + kStep > T;
+    float s[kM][kStep / kMmaN][4] = {};
+    float dp[kM][kStep / kMmaN][4] = {};
+    mma_abt<kM, kStep, kD>(s, qf, kb);
+    mma_abt<kM, kStep, kD>(dp, dof, vb);
+    const bool masked = k0 + kStep - 1 > first || k0 + kStep > T;
 #pragma unroll
-    for (int nt = 0; nt < kStep / kMmaN; ++nt) {
+    for (int mi = 0; mi < kM; ++mi) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int key = k0 + nt * kMmaN + 2 * t + (e & 1);
-        float p = exp2f(s[nt][e] * scale_log2 - lse2[r]);
-        if (masked && key > row0 + 8 * r) p = 0.0f;
-        s[nt][e] = p * (dp[nt][e] - row_delta[r]);  // dS
+      for (int nt = 0; nt < kStep / kMmaN; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e / 2;
+          const int key = k0 + nt * kMmaN + 2 * t + (e & 1);
+          float p = exp2f(s[mi][nt][e] * scale_log2 - lse2[mi][r]);
+          if (masked && key > row0 + kMmaM * mi + 8 * r) p = 0.0f;
+          s[mi][nt][e] = p * (dp[mi][nt][e] - row_delta[mi][r]);  // dS
+        }
       }
     }
-    uint32_t dsf[kStep / kMmaK][4];
-    c_to_a<kStep>(s, dsf);
-    mma_ab<kStep, kD>(dq, dsf, kb);
+    uint32_t dsf[kM][kStep / kMmaK][4];
+#pragma unroll
+    for (int mi = 0; mi < kM; ++mi) c_to_a<kStep>(s[mi], dsf[mi]);
+    mma_ab<kM, kStep, kD>(dq, dsf, kb);
   }
 
-  const int first = q0 + warp * kMmaM;
-  store_rows<kD>(dq, dqkv + (static_cast<int64_t>(b) * T + first) * stride + h * kD, stride,
-                 T - first, scale, scale);
+#pragma unroll
+  for (int mi = 0; mi < kM; ++mi) {
+    const int block = first + kMmaM * mi;
+    store_rows<kD>(dq[mi], dqkv + (static_cast<int64_t>(b) * T + block) * stride + h * kD,
+                   stride, T - block, scale, scale);
+  }
 }
 
 // ----------------------------------------------------------------------------
@@ -810,11 +986,11 @@ unsigned int grid_for(int64_t work_threads, int threads) {
   return static_cast<unsigned int>(blocks);
 }
 
-/// The 2-D grid of the tensor-core kernels: (B*H, ceil(T/64)).
-dim3 tile_grid(const AttentionShape& s) {
-  const int64_t heads = s.batch * s.heads, tiles = ceil_div(s.seq, kTile);
+/// The 2-D grid of the tensor-core kernels: (B*H, ceil(T/rows)) for CTAs of `rows` rows.
+dim3 tile_grid(const AttentionShape& s, int rows) {
+  const int64_t heads = s.batch * s.heads, tiles = ceil_div(s.seq, rows);
   OCTET_CHECK(heads <= INT32_MAX && tiles <= kMaxGridY, "attention: batch*heads = ", heads,
-              " must be <= ", INT32_MAX, " and ceil(seq/", kTile, ") = ", tiles, " <= ", kMaxGridY);
+              " must be <= ", INT32_MAX, " and ceil(seq/", rows, ") = ", tiles, " <= ", kMaxGridY);
   return dim3(static_cast<unsigned int>(heads), static_cast<unsigned int>(tiles));
 }
 
@@ -844,40 +1020,65 @@ void allow_shared_memory(Kernel kernel, size_t bytes) {
                                         static_cast<int>(bytes)));
 }
 
-template <int kD>
+template <int kD, int kM>
 void forward_tensor_cores(const Tensor& qkv, const AttentionShape& s, const Tensor& out,
                           const Tensor& lse, float scale, cudaStream_t stream) {
-  // Q, plus K and V double-buffered.
-  constexpr size_t kSmem = 5 * kTile * (kD + kPad) * sizeof(uint16_t);
-  allow_shared_memory(attention_forward_bf16_kernel<kD>, kSmem);
-  attention_forward_bf16_kernel<kD><<<tile_grid(s), kFastThreads, kSmem, stream>>>(
-      bf16_data(qkv), bf16_mutable(out), lse.data<float>(), static_cast<int>(s.seq),
-      static_cast<int>(s.heads), scale * kLog2e);
+  using Tiles = FastTiles<kD, kM>;
+  allow_shared_memory(attention_forward_bf16_kernel<kD, kM>, Tiles::kForwardSmem);
+  attention_forward_bf16_kernel<kD, kM>
+      <<<tile_grid(s, Tiles::kCtaRows), kFastThreads, Tiles::kForwardSmem, stream>>>(
+          bf16_data(qkv), bf16_mutable(out), lse.data<float>(), static_cast<int>(s.seq),
+          static_cast<int>(s.heads), scale * kLog2e);
   OCTET_CHECK_LAUNCH();
 }
 
-template <int kD>
+/// The dK/dV kernel with kMKv row blocks per warp, then the dQ kernel with kMQ.
+template <int kD, int kMKv, int kMQ>
 void backward_tensor_cores(const Tensor& dout, const Tensor& qkv, const Tensor& lse,
                            const Tensor& delta, const AttentionShape& s, const Tensor& dqkv,
                            float scale, cudaStream_t stream) {
-  constexpr int kStep = backward_step<kD>();
-  constexpr size_t kRow = (kD + kPad) * sizeof(uint16_t);
-  // dK/dV: K and V, plus Q, dO and the row statistics double-buffered.
-  constexpr size_t kDkdvSmem = (2 * kTile + 4 * kStep) * kRow + 4 * kStep * sizeof(float);
-  // dQ: Q and dO, plus K and V double-buffered.
-  constexpr size_t kDqSmem = (2 * kTile + 4 * kStep) * kRow;
+  using KvTiles = FastTiles<kD, kMKv>;
+  using QTiles = FastTiles<kD, kMQ>;
   const int T = static_cast<int>(s.seq), H = static_cast<int>(s.heads);
-  const dim3 grid = tile_grid(s);
-  allow_shared_memory(attention_dkdv_bf16_kernel<kD>, kDkdvSmem);
-  attention_dkdv_bf16_kernel<kD><<<grid, kFastThreads, kDkdvSmem, stream>>>(
-      bf16_data(qkv), bf16_data(dout), lse.data<float>(), delta.data<float>(), bf16_mutable(dqkv),
-      T, H, scale, scale * kLog2e);
+  allow_shared_memory(attention_dkdv_bf16_kernel<kD, kMKv>, KvTiles::kDkdvSmem);
+  attention_dkdv_bf16_kernel<kD, kMKv>
+      <<<tile_grid(s, KvTiles::kCtaRows), kFastThreads, KvTiles::kDkdvSmem, stream>>>(
+          bf16_data(qkv), bf16_data(dout), lse.data<float>(), delta.data<float>(),
+          bf16_mutable(dqkv), T, H, scale, scale * kLog2e);
   OCTET_CHECK_LAUNCH();
-  allow_shared_memory(attention_dq_bf16_kernel<kD>, kDqSmem);
-  attention_dq_bf16_kernel<kD><<<grid, kFastThreads, kDqSmem, stream>>>(
-      bf16_data(qkv), bf16_data(dout), lse.data<float>(), delta.data<float>(), bf16_mutable(dqkv),
-      T, H, scale, scale * kLog2e);
+  allow_shared_memory(attention_dq_bf16_kernel<kD, kMQ>, QTiles::kDqSmem);
+  attention_dq_bf16_kernel<kD, kMQ>
+      <<<tile_grid(s, QTiles::kCtaRows), kFastThreads, QTiles::kDqSmem, stream>>>(
+          bf16_data(qkv), bf16_data(dout), lse.data<float>(), delta.data<float>(),
+          bf16_mutable(dqkv), T, H, scale, scale * kLog2e);
   OCTET_CHECK_LAUNCH();
+}
+
+/// The tensor-core forward with `tiling` (head_dim 64 or 128; only kRows16 at 128).
+void forward_tiled(const Tensor& qkv, const AttentionShape& s, const Tensor& out,
+                   const Tensor& lse, AttentionTiling tiling, float scale, cudaStream_t stream) {
+  if (s.head_dim == 128) {
+    forward_tensor_cores<128, 1>(qkv, s, out, lse, scale, stream);
+  } else if (tiling == AttentionTiling::kRows16) {
+    forward_tensor_cores<64, 1>(qkv, s, out, lse, scale, stream);
+  } else {
+    forward_tensor_cores<64, 2>(qkv, s, out, lse, scale, stream);
+  }
+}
+
+/// The tensor-core dK/dV and dQ kernels with `tiling` (as forward_tiled).
+void backward_tiled(const Tensor& dout, const Tensor& qkv, const Tensor& lse, const Tensor& delta,
+                    const AttentionShape& s, const Tensor& dqkv, AttentionTiling tiling,
+                    float scale, cudaStream_t stream) {
+  if (s.head_dim == 128) {
+    backward_tensor_cores<128, 1, 1>(dout, qkv, lse, delta, s, dqkv, scale, stream);
+  } else if (tiling == AttentionTiling::kRows16) {
+    backward_tensor_cores<64, 1, 1>(dout, qkv, lse, delta, s, dqkv, scale, stream);
+  } else if (tiling == AttentionTiling::kRows32) {
+    backward_tensor_cores<64, 1, 2>(dout, qkv, lse, delta, s, dqkv, scale, stream);
+  } else {
+    backward_tensor_cores<64, 2, 2>(dout, qkv, lse, delta, s, dqkv, scale, stream);
+  }
 }
 
 template <typename Elem>
@@ -937,7 +1138,67 @@ float softmax_scale(const AttentionShape& s) {
   return 1.0f / std::sqrt(static_cast<float>(s.head_dim));
 }
 
+/// Checks that the tensor-core path with `tiling` applies (attention_*_tiled's contract).
+void check_tiled(const AttentionShape& s, DType dtype, std::initializer_list<const Tensor*> tensors,
+                 AttentionTiling tiling, const char* op) {
+  OCTET_CHECK(use_tensor_cores(s, dtype, tensors), op,
+              ": the tensor-core path needs bf16, head_dim 64 or 128 and 16-byte aligned tensors; "
+              "got ", dtype_name(dtype), " and head_dim ", s.head_dim);
+  OCTET_CHECK(tiling == AttentionTiling::kRows16 || s.head_dim == 64, op, ": tiling ",
+              attention_tiling_name(tiling), " supports head_dim 64 only, got ", s.head_dim);
+}
+
+/// delta = rowsum(dout * out) per (b, h, t), on the stream: the first kernel of every backward.
+Tensor row_delta(const Tensor& dout, const Tensor& out, const AttentionShape& s,
+                 cudaStream_t stream) {
+  // Freed stream-ordered after the kernels that read it.
+  Tensor delta = Tensor::empty({s.batch, s.heads, s.seq}, DType::f32, out.device());
+  if (out.dtype() == DType::bf16) {
+    compute_delta<uint16_t>(dout, out, delta, s, stream);
+  } else {
+    compute_delta<float>(dout, out, delta, s, stream);
+  }
+  return delta;
+}
+
 }  // namespace
+
+AttentionTiling default_attention_tiling(int64_t head_dim) {
+  // Two row blocks per warp halve the shared-memory traffic per MMA (FastTiles); at head_dim
+  // 128 their accumulators do not fit in registers.
+  return head_dim == 64 ? AttentionTiling::kRows32 : AttentionTiling::kRows16;
+}
+
+const char* attention_tiling_name(AttentionTiling tiling) {
+  switch (tiling) {
+    case AttentionTiling::kRows16:
+      return "rows16";
+    case AttentionTiling::kRows32:
+      return "rows32";
+    case AttentionTiling::kRows32Dkdv:
+      return "rows32_dkdv";
+  }
+  return "unknown";
+}
+
+void attention_forward_tiled(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
+                             const Tensor& lse, AttentionTiling tiling) {
+  check_tiled(shape, qkv.dtype(), {&qkv, &out}, tiling, "attention_forward_tiled");
+  const Device device = qkv.device();
+  DeviceGuard guard(device);
+  forward_tiled(qkv, shape, out, lse, tiling, softmax_scale(shape), octet::cuda::stream(device));
+}
+
+void attention_backward_tiled(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                              const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv,
+                              AttentionTiling tiling) {
+  check_tiled(shape, qkv.dtype(), {&qkv, &dout, &dqkv}, tiling, "attention_backward_tiled");
+  const Device device = qkv.device();
+  DeviceGuard guard(device);
+  cudaStream_t stream = octet::cuda::stream(device);
+  const Tensor delta = row_delta(dout, out, shape, stream);
+  backward_tiled(dout, qkv, lse, delta, shape, dqkv, tiling, softmax_scale(shape), stream);
+}
 
 void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
                        const Tensor& lse) {
@@ -947,11 +1208,7 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
   if (use_tensor_cores(shape, qkv.dtype(), {&qkv, &out})) {
-    if (shape.head_dim == 64) {
-      forward_tensor_cores<64>(qkv, shape, out, lse, scale, stream);
-    } else {
-      forward_tensor_cores<128>(qkv, shape, out, lse, scale, stream);
-    }
+    forward_tiled(qkv, shape, out, lse, default_attention_tiling(shape.head_dim), scale, stream);
   } else if (qkv.dtype() == DType::bf16) {
     forward_simple<uint16_t>(qkv, shape, out, lse, scale, stream);
   } else {
@@ -966,19 +1223,10 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
-  // Freed stream-ordered after the kernels that read it.
-  const Tensor delta = Tensor::empty({shape.batch, shape.heads, shape.seq}, DType::f32, device);
-  if (qkv.dtype() == DType::bf16) {
-    compute_delta<uint16_t>(dout, out, delta, shape, stream);
-  } else {
-    compute_delta<float>(dout, out, delta, shape, stream);
-  }
+  const Tensor delta = row_delta(dout, out, shape, stream);
   if (use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv})) {
-    if (shape.head_dim == 64) {
-      backward_tensor_cores<64>(dout, qkv, lse, delta, shape, dqkv, scale, stream);
-    } else {
-      backward_tensor_cores<128>(dout, qkv, lse, delta, shape, dqkv, scale, stream);
-    }
+    backward_tiled(dout, qkv, lse, delta, shape, dqkv, default_attention_tiling(shape.head_dim),
+                   scale, stream);
   } else if (qkv.dtype() == DType::bf16) {
     backward_simple<uint16_t>(dout, qkv, lse, delta, shape, dqkv, scale, stream);
   } else {
