@@ -7,7 +7,8 @@
 // (cp.async, 16-byte chunks), then writes the row-wise copy from tile rows and the column-wise
 // copy from tile columns, each with 16-byte coalesced stores. 128 is the 1x128/128x128 block size,
 // so every block of either copy (and every 32-element MXFP8 block) lies inside one tile and its
-// amax is a shuffle reduction, with no second pass.
+// amax is a shuffle reduction, with no second pass. For bf16 the CTAs are persistent and double
+// buffered: the next tile's copy is in flight while the current one is quantized.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -439,7 +440,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileMinCtasPerSm)
 #pragma unroll
   for (int s = 0; s + 1 < kStages; ++s) {
     const int64_t t = blockIdx.x + s * stride;
-    if (t < tiles) load_tile_async<T>(p, stages + s * kStageElems, t, threadIdx.x);
+    if (t < tiles)
+      load_tile_async<T>(p, stages + s * kStageElems, t, static_cast<int>(threadIdx.x));
     cp_async_commit();
   }
 
