@@ -450,15 +450,8 @@ bool is_bf16_tie_neighbour(float actual, double v) {
   return a == below || a == below + (1u << 16);
 }
 
-/// The BF16 value next to `x` away from zero (one BF16 ulp further).
-float next_bf16_away(float x) { return fp8::bits_float(fp8::float_bits(x) + (1u << 16)); }
-
-/// True when a and b are BF16 values at most one BF16 ulp apart.
-bool within_one_bf16_ulp(float a, float b) {
-  if ((a < 0) != (b < 0)) return false;
-  const float lo = std::fabs(a) < std::fabs(b) ? a : b, hi = lo == a ? b : a;
-  return lo == hi || next_bf16_away(lo) == hi;
-}
+/// The spacing of BF16 values at |x| (x != 0): 2^(exponent - 7).
+double bf16_ulp(double x) { return std::ldexp(1.0, std::ilogb(x) - 7); }
 
 /// How a GEMM's output is compared with the exact result of integer-valued inputs.
 enum class Exactness {
@@ -469,17 +462,18 @@ enum class Exactness {
                    ///< neighbours may round to either: on the H200 (2026-11-30) cuBLASLt's
                    ///< BF16-output GEMMs round 0.1% to 4% of integer-valued results that way,
                    ///< i.e. not always to even (FP32 outputs are bit-exact)
-  bf16_one_ulp,    ///< as zero_sign_free, and a BF16 value may be one BF16 ulp off: cuBLASLt's
-                   ///< BF16 epilogues with a bias or beta * D (H200, 2026-11-30) are off that
-                   ///< far in up to 18% of integer-valued elements, as if the accumulator were
-                   ///< rounded to BF16 before the bias or D is added (FP32 outputs are exact)
+  bf16_rounded_product,  ///< as bf16_ties_free, for epilogues that add a bias or beta * D:
+                         ///< cuBLASLt's BF16 epilogues (H200, 2026-11-30) behave as if the
+                         ///< product were rounded to BF16 before the addition, so the result may
+                         ///< be off by half a BF16 ulp of the product plus one of the result
 };
 
-/// Compares `actual` with `exact` (double) rounded once to `out`.
+/// Compares `actual` with `exact` (double) rounded once to `out`. `product`: the exact alpha * A B
+/// before the epilogue's additions (bf16_rounded_product only).
 ::testing::AssertionResult exactly_equal(const std::vector<float>& actual,
                                          const std::vector<double>& exact, DType out,
                                          Exactness exactness, const std::vector<int64_t>& rows,
-                                         int64_t n) {
+                                         int64_t n, const std::vector<double>& product = {}) {
   int64_t mismatches = 0, ties = 0;
   size_t first = 0;
   for (size_t i = 0; i < exact.size(); ++i) {
@@ -490,7 +484,13 @@ enum class Exactness {
       ++ties;
       continue;
     }
-    if (exactness == Exactness::bf16_one_ulp && within_one_bf16_ulp(actual[i], expected)) continue;
+    if (exactness == Exactness::bf16_rounded_product) {
+      const double p = product[i] == 0 ? 0 : bf16_ulp(product[i]) / 2;
+      const double magnitude = std::max(std::fabs(exact[i]), std::fabs(double{actual[i]}));
+      if (std::fabs(actual[i] - exact[i]) <= p + (magnitude == 0 ? 0 : bf16_ulp(magnitude))) {
+        continue;
+      }
+    }
     if (mismatches++ == 0) first = i;
   }
   if (mismatches == 0) return ::testing::AssertionSuccess();
@@ -506,7 +506,7 @@ enum class Exactness {
 Exactness integer_exactness(const Device& backend, DType out, bool epilogue_adds) {
   if (!backend.is_cuda()) return Exactness::bits;
   if (out != DType::bf16) return Exactness::zero_sign_free;
-  return epilogue_adds ? Exactness::bf16_one_ulp : Exactness::bf16_ties_free;
+  return epilogue_adds ? Exactness::bf16_rounded_product : Exactness::bf16_ties_free;
 }
 
 /// The relative L2 error allowed for random inputs (see the tolerance constants).
@@ -572,9 +572,12 @@ TEST_P(GemmParity, MatchesReference) {
   for (float v : actual) ASSERT_FALSE(std::isnan(v)) << "D holds NaN";
 
   if (c.values == Values::integer) {
-    EXPECT_TRUE(exactly_equal(actual, ref, c.out,
-                              integer_exactness(c.backend, c.out, e.has_bias || e.beta != 0.0f),
-                              rows, dims.n));
+    const bool adds = e.has_bias || e.beta != 0.0f;
+    const std::vector<double> product =
+        adds ? reference(a, b, dims, rows, EpilogueArgs{.alpha = e.alpha}, {}, {})
+             : std::vector<double>{};
+    EXPECT_TRUE(exactly_equal(actual, ref, c.out, integer_exactness(c.backend, c.out, adds), rows,
+                              dims.n, product));
     return;
   }
   EXPECT_LE(relative_l2(actual, ref), random_tolerance(c));
@@ -635,10 +638,11 @@ TEST_P(GemmAccumulate, BetaOneSumsThreeCalls) {
     gemm(a.on(c.backend), b.on(c.backend), d, args);
     // Each call reads the D the previous one stored (rounded to D's dtype).
     const std::vector<double> ref = reference(a, b, dims, rows, e, d_old, {});
+    const std::vector<double> product = reference(a, b, dims, rows, EpilogueArgs{}, {}, {});
     d_old = rows_of(d, rows);
     ASSERT_TRUE(exactly_equal(d_old, ref, c.out,
                               integer_exactness(c.backend, c.out, /*epilogue_adds=*/true), rows,
-                              dims.n));
+                              dims.n, product));
   }
 }
 

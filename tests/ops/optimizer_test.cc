@@ -509,7 +509,8 @@ TEST(OptimizerBadInput, MultiTensorAdamWNamesTheEntry) {
       [&] {
         step({good[0], good[1], good[0]});
       },
-      {"tensors[2].param overlaps tensors[0].param in memory"});
+      // Which of the entry's three tensors is named first depends on the allocator's addresses.
+      {"tensors[2].", "overlaps tensors[0].", "in memory"});
   expect_error([&] { step(with(1, [](auto& t) { t.v = t.m; })); },
                {"tensors[1].v overlaps tensors[1].m in memory"});
   expect_error([&] { step(with(0, [](auto& t) { t.m = t.param; })); },

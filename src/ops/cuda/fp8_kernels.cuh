@@ -86,19 +86,6 @@ __device__ __forceinline__ uint32_t encode_fp8x2(float a, float b) {
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kFp8Interp<kFp8>);
 }
 
-/// decode(codes & 0xFF), decode(codes >> 8) through the hardware converter (sm_89+:
-/// cvt.rn.f16x2.{e4m3,e5m2}x2, exact, then f16 -> f32, exact): bit-identical to format.h's
-/// decode_fp8 except for NaN codes, which come out as CUDA's canonical NaN instead of the
-/// reference's NaN bits; callers that can see NaN codes must fix those up.
-template <DType kFp8>
-__device__ __forceinline__ float2 decode_fp8x2(uint16_t codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(codes, kFp8Interp<kFp8>);
-  __half_raw lo, hi;
-  lo.x = h.x;
-  hi.x = h.y;
-  return make_float2(__half2float(lo), __half2float(hi));
-}
-
 /// fp8(v[i] * multiplier) for a 16-element run, packed as one 16-byte vector (v[0] lowest byte).
 /// One float multiply per element, as the CPU's quantize_value.
 template <DType kFp8>
@@ -233,16 +220,9 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
 }
 
-/// Closes this thread's cp.async copies issued since the last commit into one group.
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-/// Waits until at most kPending of this thread's committed groups are still in flight (a
-/// __syncthreads() must follow for other threads' copies).
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait_group() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+/// Waits for this thread's cp.async copies (a __syncthreads() must follow for other threads').
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 }  // namespace octet::ops::cuda::quant

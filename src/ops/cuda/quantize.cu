@@ -7,12 +7,10 @@
 // (cp.async, 16-byte chunks), then writes the row-wise copy from tile rows and the column-wise
 // copy from tile columns, each with 16-byte coalesced stores. 128 is the 1x128/128x128 block size,
 // so every block of either copy (and every 32-element MXFP8 block) lies inside one tile and its
-// amax is a shuffle reduction, with no second pass. For bf16 the CTAs are persistent and double
-// buffered: the next tile's copy is in flight while the current one is quantized.
+// amax is a shuffle reduction, with no second pass.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstdint>
@@ -42,17 +40,6 @@ constexpr int kTile = static_cast<int>(fp8::kBlock);
 constexpr int kMx = static_cast<int>(fp8::kMxBlock);
 constexpr int kTileThreads = 256;
 constexpr int kTileWarps = kTileThreads / kWarpSize;
-/// Tiles of x a CTA holds in shared memory (quantize_tile_kernel). bf16: 2 stages of 32 KiB, so a
-/// persistent CTA loads its next tile while it quantizes the current one; three such CTAs fit an
-/// SM (228 KiB on sm_90), keeping ~96 KiB of loads in flight per SM at all times. f32: 1 stage of
-/// 64 KiB (two would leave one CTA per SM), one tile per CTA. Set to 1 to A/B the unpipelined
-/// kernel (one tile per CTA, as many CTAs as tiles).
-template <typename T>
-inline constexpr int kTileStages = sizeof(T) == sizeof(float) ? 1 : 2;
-/// CTAs per SM the tile kernel is compiled for: what shared memory allows either way (3 x 64 KiB
-/// of 228 KiB). Without the bound, the tile loop's hoisted addresses take ~130-170 registers and
-/// only 1-2 CTAs fit; with it, at most 65536 / (3 * 256) = 85 registers.
-constexpr int kTileMinCtasPerSm = 3;
 
 // Row pass: a thread quantizes 16-element runs of tile rows; 8 consecutive lanes cover one row.
 constexpr int kRunsPerRow = kTile / kRunElems;
@@ -159,42 +146,20 @@ __device__ __forceinline__ float mul_like_host(float decoded, float scale_inv) {
 // ----------------------------------------------------------------------------
 // Device pieces of the tile kernel
 
-/// threadIdx.x, read so that the compiler cannot hoist what derives from it out of the tile loop.
-/// Hoisted, the per-thread shared-memory and global offsets of every pass stay live across the
-/// loop and take 130-170 registers (ptxas -v: 1-2 CTAs per SM, or spills under a bound);
-/// recomputed per tile they cost a few integer ops per 64 elements of each copy.
-__device__ __forceinline__ int opaque_thread_index() {
-  unsigned t;
-  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  return static_cast<int>(t);
-}
-
-/// Row and column of tile `tile` in the tile grid. 32-bit division: the launcher checks that the
-/// tile count fits an int.
-__device__ __forceinline__ int64_t tile_row(const TileParams& p, int64_t tile) {
-  return static_cast<int>(tile) / static_cast<int>(p.tile_cols);
-}
-__device__ __forceinline__ int64_t tile_col(const TileParams& p, int64_t tile) {
-  return static_cast<int>(tile) % static_cast<int>(p.tile_cols);
-}
-
-/// Starts copying tile `tile` (row-major over the tile grid) of x into the shared-memory stage
-/// `stage`; cells outside x become 0, which no amax notices and no store writes back. Full,
-/// aligned chunks go by cp.async (8 or 16 per thread), the rest element by element. The caller
-/// commits the group, waits for it and then syncs the CTA before reading the stage.
+/// Copies the tile at (r0, c0) of x into shared memory; cells outside x become 0, which no amax
+/// notices and no store writes back. Full, aligned chunks go by cp.async (8 or 16 per thread in
+/// flight), the rest element by element.
 template <typename T>
-__device__ __forceinline__ void load_tile_async(const TileParams& p, T* stage, int64_t tile,
-                                                int thread) {
+__device__ __forceinline__ void load_tile(const TileParams& p, T* tile, int64_t r0, int64_t c0) {
   using L = TileLayout<T>;
   static_assert(kTile * L::kChunksPerRow % kTileThreads == 0, "whole chunks per thread");
   const T* x = static_cast<const T*>(p.x);
-  const int64_t r0 = tile_row(p, tile) * kTile, c0 = tile_col(p, tile) * kTile;
 #pragma unroll
   for (int i = 0; i < kTile * L::kChunksPerRow / kTileThreads; ++i) {
-    const int idx = thread + i * kTileThreads;
+    const int idx = static_cast<int>(threadIdx.x) + i * kTileThreads;
     const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
     const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * L::kChunkElems;
-    T* dst = stage + L::chunk_offset(r, j);
+    T* dst = tile + L::chunk_offset(r, j);
     if (p.x_vec && gr < p.rows && gc + L::kChunkElems <= p.cols) {
       cp_async_16(dst, x + gr * p.cols + gc);
     } else {
@@ -203,6 +168,8 @@ __device__ __forceinline__ void load_tile_async(const TileParams& p, T* stage, i
         dst[e] = (gr < p.rows && gc + e < p.cols) ? x[gr * p.cols + gc + e] : T(0);
     }
   }
+  cp_async_wait_all();
+  __syncthreads();
 }
 
 /// The 16-element run `run` of tile row r, as floats.
@@ -242,13 +209,13 @@ __device__ __forceinline__ void read_column_pair(const T* tile, int r_begin, int
 /// whether to fold |x| into amax_bits (block modes always do, 128x128 did it already).
 template <typename T, ScalingMode kMode, DType kFp8>
 __device__ __forceinline__ void quantize_tile_rows(const TileParams& p, const T* tile, int64_t ti,
-                                                   int64_t tj, int thread, float tile_multiplier,
+                                                   int64_t tj, float tile_multiplier,
                                                    bool want_amax, uint32_t& amax_bits) {
-  const int run = thread % kRunsPerRow;
+  const int run = static_cast<int>(threadIdx.x) % kRunsPerRow;
   const int64_t gc = tj * kTile + run * kRunElems;
 #pragma unroll
   for (int i = 0; i < kRowPasses; ++i) {
-    const int r = thread / kRunsPerRow + i * kRowsPerRowPass;
+    const int r = static_cast<int>(threadIdx.x) / kRunsPerRow + i * kRowsPerRowPass;
     const int64_t gr = ti * kTile + r;
     float v[kRunElems];
     read_row_run<T>(tile, r, run, v);
@@ -279,10 +246,10 @@ __device__ __forceinline__ void quantize_tile_rows(const TileParams& p, const T*
 /// Writes the column-wise copy (data_t rows = tile columns) of the tile (ti, tj) and its scales.
 template <typename T, ScalingMode kMode, DType kFp8>
 __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T* tile, int64_t ti,
-                                                   int64_t tj, int thread, float tile_multiplier,
+                                                   int64_t tj, float tile_multiplier,
                                                    bool want_amax, uint32_t& amax_bits) {
-  const int lane = thread % kWarpSize;
-  const int warp = thread / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int pair = lane % kColPairsPerWarp;
   const int col_run = lane / kColPairsPerWarp;  // rows [16 col_run, 16 col_run + 16) of the tile
   const int r = col_run * kRunElems;
@@ -379,25 +346,42 @@ __global__ void __launch_bounds__(kFlatThreads)
   if (amax != nullptr) publish_amax<kFlatThreads>(m, amax, scratch);
 }
 
-/// Quantizes the staged tile `tile` of x into the row-wise and/or column-wise copy with their
-/// scales, and folds what p.amax needs into amax_bits. multiplier: per_tensor's *p.scale.
+/// Quantizes one 128x128 tile of x (blockIdx.x = tile, row-major over the tile grid) into the
+/// row-wise and/or column-wise copy in scaling mode kMode, with their scales and optional amax.
+/// Traffic per bf16 element: 2 B read, 1 B per copy written (4 B with both copies; 6 B for f32),
+/// all as 16-byte coalesced accesses; shared memory is bank-conflict-free (TileLayout). Expect
+/// >= 85% of copy bandwidth for per-tensor cast-transpose and >= 75% for the block modes at large
+/// aligned shapes; edge tiles and unaligned shapes take the element-wise fallbacks.
 template <typename T, ScalingMode kMode, DType kFp8>
-__device__ __forceinline__ void quantize_tile(const TileParams& p, const T* stage, int64_t tile,
-                                              int thread, float multiplier, uint32_t* scratch,
-                                              uint32_t& amax_bits) {
-  const int64_t ti = tile_row(p, tile), tj = tile_col(p, tile);
-  if constexpr (kMode == ScalingMode::block_128x128) {
+__global__ void __launch_bounds__(kTileThreads) quantize_tile_kernel(const TileParams p) {
+  extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
+  __shared__ uint32_t scratch[kTileWarps];
+  T* tile = reinterpret_cast<T*>(tile_smem);
+  const int64_t ti = blockIdx.x / p.tile_cols, tj = blockIdx.x % p.tile_cols;
+  load_tile<T>(p, tile, ti * kTile, tj * kTile);
+
+  uint32_t amax_bits = 0;   // this thread's max abs_bits(x), for p.amax
+  float multiplier = 1.0f;  // per_tensor and block_128x128: the tile's one multiplier
+  if constexpr (kMode == ScalingMode::per_tensor) {
+    multiplier = *p.scale;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      if (p.scale_inv != nullptr)
+        static_cast<float*>(p.scale_inv)[0] = fp8::scale_inv_of(multiplier);
+      if (p.scale_inv_t != nullptr)
+        static_cast<float*>(p.scale_inv_t)[0] = fp8::scale_inv_of(multiplier);
+    }
+  } else if constexpr (kMode == ScalingMode::block_128x128) {
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < kRowPasses; ++i) {
       float v[kRunElems];
-      read_row_run<T>(stage, thread / kRunsPerRow + i * kRowsPerRowPass, thread % kRunsPerRow, v);
+      read_row_run<T>(tile, static_cast<int>(threadIdx.x) / kRunsPerRow + i * kRowsPerRowPass,
+                      static_cast<int>(threadIdx.x) % kRunsPerRow, v);
       m = max(m, run_amax_bits(v));
     }
-    const uint32_t tile_amax = block_max<kTileThreads>(m, scratch);  // in every thread
-    amax_bits = max(amax_bits, tile_amax);
-    multiplier = fp8::block_scale(fp8::bits_float(tile_amax), kFp8Max<kFp8>, p.power_of_2);
-    if (thread == 0) {
+    amax_bits = block_max<kTileThreads>(m, scratch);  // the tile's amax, in every thread
+    multiplier = fp8::block_scale(fp8::bits_float(amax_bits), kFp8Max<kFp8>, p.power_of_2);
+    if (threadIdx.x == 0) {
       const float scale_inv = fp8::scale_inv_of(multiplier);
       if (p.scale_inv != nullptr)  // [tile_rows, tile_cols]
         static_cast<float*>(p.scale_inv)[ti * p.tile_cols + tj] = scale_inv;
@@ -407,125 +391,17 @@ __device__ __forceinline__ void quantize_tile(const TileParams& p, const T* stag
   }
   const bool want_amax = p.amax != nullptr;
   if (p.data != nullptr)
-    quantize_tile_rows<T, kMode, kFp8>(p, stage, ti, tj, thread, multiplier, want_amax, amax_bits);
+    quantize_tile_rows<T, kMode, kFp8>(p, tile, ti, tj, multiplier, want_amax, amax_bits);
   if (p.data_t != nullptr) {
-    quantize_tile_cols<T, kMode, kFp8>(p, stage, ti, tj, thread, multiplier,
-                                       want_amax && p.data == nullptr, amax_bits);
-  }
-}
-
-/// Quantizes 128x128 tiles of x (row-major over the tile grid, tile = blockIdx.x + k * gridDim.x)
-/// into the row-wise and/or column-wise copy in scaling mode kMode, with their scales and
-/// optional amax. Traffic per bf16 element: 2 B read, 1 B per copy written (4 B with both copies;
-/// 6 B for f32), all as 16-byte coalesced accesses; shared memory is bank-conflict-free
-/// (TileLayout). With kTileStages<T> == 2 the grid is persistent (the CTAs that fit on the device)
-/// and a CTA copies its next tile in while it quantizes the current one, so its loads stay in
-/// flight through the quantize phase, however long the block modes make it (scale divisions,
-/// shuffle reductions, scale stores). With 1 stage every CTA loads, waits, then quantizes one
-/// tile, and the block modes fall to ~75% of copy bandwidth where per-tensor and 128x128 reach
-/// ~88% (H200, 16384x8192 bf16). Edge tiles and unaligned shapes take the element-wise fallbacks.
-template <typename T, ScalingMode kMode, DType kFp8>
-__global__ void __launch_bounds__(kTileThreads, kTileMinCtasPerSm)
-    quantize_tile_kernel(const TileParams p) {
-  constexpr int kStages = kTileStages<T>;
-  constexpr int kStageElems = TileLayout<T>::kBytes / static_cast<int>(sizeof(T));
-  extern __shared__ uint4 tile_smem[];  // kStages * TileLayout<T>::kBytes
-  __shared__ uint32_t scratch[kTileWarps];
-  T* const stages = reinterpret_cast<T*>(tile_smem);
-  const int64_t tiles = p.tile_rows * p.tile_cols;
-  const int64_t stride = gridDim.x;
-
-  // Prologue: the first kStages - 1 tiles go in flight, one commit group per stage (empty groups
-  // too, so that the wait below always counts the same groups).
-#pragma unroll
-  for (int s = 0; s + 1 < kStages; ++s) {
-    const int64_t t = blockIdx.x + s * stride;
-    if (t < tiles)
-      load_tile_async<T>(p, stages + s * kStageElems, t, static_cast<int>(threadIdx.x));
-    cp_async_commit();
-  }
-
-  float multiplier = 1.0f;  // per_tensor: the one multiplier (block modes derive theirs per tile)
-  if constexpr (kMode == ScalingMode::per_tensor) {
-    multiplier = *p.scale;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      if (p.scale_inv != nullptr)
-        static_cast<float*>(p.scale_inv)[0] = fp8::scale_inv_of(multiplier);
-      if (p.scale_inv_t != nullptr)
-        static_cast<float*>(p.scale_inv_t)[0] = fp8::scale_inv_of(multiplier);
-    }
-  }
-  uint32_t amax_bits = 0;  // this thread's max abs_bits(x), for p.amax
-  int stage = 0;           // the stage holding `tile`
-#pragma unroll 1
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += stride) {
-    const int thread = opaque_thread_index();
-    // Refill the stage the previous iteration quantized (its closing barrier freed it) with the
-    // tile kStages - 1 iterations ahead; with one stage that is `tile` itself.
-    const int64_t ahead = tile + (kStages - 1) * stride;
-    if (ahead < tiles)
-      load_tile_async<T>(p, stages + (stage + kStages - 1) % kStages * kStageElems, ahead, thread);
-    cp_async_commit();
-    cp_async_wait_group<kStages - 1>();  // this thread's copies of `tile` have landed,
-    __syncthreads();                     // and every other thread's
-    quantize_tile<T, kMode, kFp8>(p, stages + stage * kStageElems, tile, thread, multiplier,
-                                  scratch, amax_bits);
-    __syncthreads();  // every thread is done reading the stage before it is refilled
-    stage = (stage + 1) % kStages;
+    quantize_tile_cols<T, kMode, kFp8>(p, tile, ti, tj, multiplier, want_amax && p.data == nullptr,
+                                       amax_bits);
   }
   if (p.amax != nullptr) publish_amax<kTileThreads>(amax_bits, p.amax, scratch);
 }
 
-/// The 16 FP8 codes at p (count of them exist, see load_run), the lowest address in the low byte.
-__device__ __forceinline__ uint4 load_fp8_run(const uint8_t* p, int64_t count, bool vec) {
-  if (vec && count >= kRunElems) return *reinterpret_cast<const uint4*>(p);
-  uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int e = 0; e < kRunElems; ++e)
-    if (e < count) w[e / 4] |= static_cast<uint32_t>(p[e]) << (8 * (e % 4));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-/// v[e] = decode(code e of u) * scale_inv, bit-exact with the CPU's dequantize_value: the hardware
-/// decode (decode_fp8x2) is exact, and wherever the product is NaN the element is redone with the
-/// reference's decode, whose NaN bits mul_like_host propagates.
-template <DType kFp8>
-__device__ __forceinline__ void dequantize_run(const uint4& u, float scale_inv, float* v) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int e = 0; e < kRunElems; e += 2) {
-    const uint32_t codes = w[e / 4] >> (8 * (e % 4));
-    const float2 d = decode_fp8x2<kFp8>(static_cast<uint16_t>(codes));
-    v[e] = d.x * scale_inv;
-    v[e + 1] = d.y * scale_inv;
-    if (v[e] != v[e])
-      v[e] = mul_like_host(fp8::decode_fp8(static_cast<uint8_t>(codes), kFp8), scale_inv);
-    if (v[e + 1] != v[e + 1])
-      v[e + 1] = mul_like_host(fp8::decode_fp8(static_cast<uint8_t>(codes >> 8), kFp8), scale_inv);
-  }
-}
-
-/// Per-tensor dequantize: out = decode(q) * scale_inv[0] as f32 or bf16 over the flat matrix (one
-/// scale, so rows do not matter). Reads 1 B + writes sizeof(TOut) per element with 16-byte
-/// accesses when aligned, and no index math beyond the run offset: a memory-bound map.
-template <typename TOut, DType kFp8>
-__global__ void __launch_bounds__(kFlatThreads)
-    dequantize_per_tensor_kernel(const uint8_t* __restrict__ q, int64_t n, bool vec,
-                                 const float* __restrict__ scale_inv, TOut* __restrict__ out) {
-  const float s = *scale_inv;
-  const int64_t runs = (n + kRunElems - 1) / kRunElems;
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; k < runs;
-       k += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
-    const int64_t i = k * kRunElems;
-    float v[kRunElems];
-    dequantize_run<kFp8>(load_fp8_run(q + i, n - i, vec), s, v);
-    store_run<TOut>(out + i, n - i, vec, v);
-  }
-}
-
 /// out = decode(q) * scale_inv of q's block, as f32 or bf16, over 16-element runs of rows (a run
 /// never straddles a block: block widths are multiples of 16). Reads 1 B + writes sizeof(TOut)
-/// per element with 16-byte accesses when aligned; a memory-bound map, plus the block index math.
+/// per element with 16-byte accesses when aligned; a memory-bound map.
 template <typename TOut, DType kFp8>
 __global__ void __launch_bounds__(kFlatThreads) dequantize_kernel(const DequantParams p) {
   const int64_t runs_per_row = (p.cols + kRunElems - 1) / kRunElems;
@@ -540,8 +416,21 @@ __global__ void __launch_bounds__(kFlatThreads) dequantize_kernel(const DequantP
                                 ? fp8::decode_e8m0(static_cast<const uint8_t*>(p.scale_inv)[block])
                                 : static_cast<const float*>(p.scale_inv)[block];
     const int64_t i = r * p.cols + c;
+    uint32_t w[4] = {0, 0, 0, 0};
+    if (p.vec && count >= kRunElems) {
+      const uint4 u = *reinterpret_cast<const uint4*>(p.q + i);
+      w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kRunElems; ++e)
+        if (e < count) w[e / 4] |= static_cast<uint32_t>(p.q[i + e]) << (8 * (e % 4));
+    }
     float v[kRunElems];
-    dequantize_run<kFp8>(load_fp8_run(p.q + i, count, p.vec), scale_inv, v);
+#pragma unroll
+    for (int e = 0; e < kRunElems; ++e) {
+      const uint8_t q = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
+      v[e] = mul_like_host(fp8::decode_fp8(q, kFp8), scale_inv);
+    }
     store_run<TOut>(out + i, count, p.vec, v);
   }
 }
@@ -611,46 +500,25 @@ T* data_or_null(const Tensor& t) {
 /// Dynamic shared memory a kernel may use without opting in (all architectures since sm_70).
 constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 
-/// CTAs of `kernel` (kTileThreads threads, smem_bytes of dynamic shared memory) that fit on one
-/// SM of the current device.
-template <typename Kernel>
-int resident_ctas_per_sm(Kernel kernel, int smem_bytes) {
-  int ctas = 0;
-  OCTET_CHECK_CUDA(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kTileThreads, smem_bytes));
-  OCTET_CHECK(ctas >= 1, "quantize: the tile kernel fits ", ctas, " CTAs per SM with ", smem_bytes,
-              " bytes of shared memory; expected at least 1");
-  return ctas;
-}
-
 template <typename T, ScalingMode kMode, DType kFp8>
 void launch_quantize_tile(const TileParams& p, const Device& device, cudaStream_t stream) {
-  constexpr int kSmemBytes = kTileStages<T> * TileLayout<T>::kBytes;
+  constexpr int kSmemBytes = TileLayout<T>::kBytes;
   const auto kernel = quantize_tile_kernel<T, kMode, kFp8>;
-  // Per device (attributes and occupancy are per device), computed once: a race between two
-  // threads only computes the same values twice.
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> ctas_per_sm[kMaxDevices] = {};
-  const bool cached = device.index >= 0 && device.index < kMaxDevices;
-  int ctas = cached ? ctas_per_sm[device.index].load(std::memory_order_relaxed) : 0;
-  if (ctas == 0) {
-    // Tiles over 48 KiB (bf16 with 2 stages, f32) need the opt-in.
-    if constexpr (kSmemBytes > kDefaultDynamicSmemBytes) {
+  if constexpr (kSmemBytes > kDefaultDynamicSmemBytes) {
+    // f32 tiles (64 KiB) need the opt-in, once per device (the attribute is per device); a
+    // race between two threads only sets the same value twice.
+    static std::atomic<uint64_t> opted_in{0};
+    const uint64_t bit = device.index < 64 ? uint64_t{1} << device.index : 0;
+    if (bit == 0 || (opted_in.load(std::memory_order_relaxed) & bit) == 0) {
       OCTET_CHECK_CUDA(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      opted_in.fetch_or(bit, std::memory_order_relaxed);
     }
-    ctas = resident_ctas_per_sm(kernel, kSmemBytes);
-    if (cached) ctas_per_sm[device.index].store(ctas, std::memory_order_relaxed);
   }
   const int64_t tiles = p.tile_rows * p.tile_cols;
   OCTET_CHECK(tiles <= INT_MAX, "quantize: a [", p.rows, ", ", p.cols, "] matrix has ", tiles,
               " tiles of ", kTile, "x", kTile, "; expected at most ", INT_MAX, " (gridDim.x)");
-  // Pipelined: a persistent grid of the CTAs that fit, each looping over tiles. One stage: a CTA
-  // per tile.
-  const int64_t resident =
-      static_cast<int64_t>(ctas) * octet::cuda::properties(device).multiProcessorCount;
-  const int64_t grid = kTileStages<T> > 1 ? std::min(tiles, resident) : tiles;
-  kernel<<<static_cast<unsigned>(grid), kTileThreads, kSmemBytes, stream>>>(p);
+  kernel<<<static_cast<unsigned>(tiles), kTileThreads, kSmemBytes, stream>>>(p);
   OCTET_CHECK_LAUNCH();
 }
 
@@ -764,23 +632,13 @@ void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transpose
   }
   p.scale_cols = quant::ceil_div(p.cols, p.block_cols);
   p.e8m0 = q.mode == ScalingMode::mxfp8_1x32;
-  const bool aligned = quant::vec_aligned(p.q) && quant::vec_aligned(p.out);
-  p.vec = aligned && p.cols % quant::kRunElems == 0;
-  const int64_t n = p.rows * p.cols;
+  p.vec = quant::vec_aligned(p.q) && quant::vec_aligned(p.out) && p.cols % quant::kRunElems == 0;
   const int grid = quant::flat_grid(p.rows * quant::ceil_div(p.cols, quant::kRunElems), device);
   quant::visit_input(out.dtype(), [&](auto out_tag) {
     using TOut = decltype(out_tag);
     quant::visit_fp8(q.dtype, [&](auto fp8_tag) {
-      constexpr DType kFp8 = decltype(fp8_tag)::value;
-      if (q.mode == ScalingMode::per_tensor) {
-        // One scale: a flat map, whose runs may cross rows.
-        quant::dequantize_per_tensor_kernel<TOut, kFp8>
-            <<<quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device), quant::kFlatThreads,
-               0, stream>>>(p.q, n, aligned, static_cast<const float*>(p.scale_inv),
-                            static_cast<TOut*>(p.out));
-      } else {
-        quant::dequantize_kernel<TOut, kFp8><<<grid, quant::kFlatThreads, 0, stream>>>(p);
-      }
+      quant::dequantize_kernel<TOut, decltype(fp8_tag)::value>
+          <<<grid, quant::kFlatThreads, 0, stream>>>(p);
       OCTET_CHECK_LAUNCH();
     });
   });
