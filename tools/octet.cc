@@ -10,12 +10,9 @@
 
 namespace {
 
-/// One clear line on stderr for a failure, with a remedy where one is known.
+/// One clear line on stderr for a failure (the message carries any remedy).
 int report(const std::string& message) {
-  std::string line = message;
-  if (line.find("out of GPU memory") != std::string::npos)
-    line += "; try a smaller --batch, more --accum steps, or --recompute";
-  std::fprintf(stderr, "octet: error: %s\n", line.c_str());
+  std::fprintf(stderr, "octet: error: %s\n", message.c_str());
   return 1;
 }
 

@@ -1,0 +1,85 @@
+// The octet command's bad-input contract, run as a user would: one clear line on stderr, a
+// non-zero exit code, no crash and no stack dump.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <sys/wait.h>
+
+#include "octet/core/device.h"
+#include "train/scratch_dir.h"
+
+namespace octet {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct CliResult {
+  int exit_code = -1;
+  std::string output;  ///< stderr of the run
+};
+
+/// Runs `octet ARGS` in `dir`, capturing its stderr (stdout is discarded).
+CliResult run_octet(const std::string& args, const std::filesystem::path& dir) {
+  const std::string command =
+      "cd '" + dir.string() + "' && '" OCTET_CLI_PATH "' " + args + " 2>&1 >/dev/null";
+  CliResult result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
+}
+
+/// Exactly one line, starting "octet: error:".
+void expect_one_error_line(const CliResult& r, const std::string& fragment) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_LT(r.exit_code, 128) << "killed by a signal: " << r.output;
+  EXPECT_EQ(r.output.rfind("octet: error: ", 0), 0u) << r.output;
+  EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr(fragment));
+}
+
+TEST(Cli, UnknownFlagIsOneLineAndExitCode2) {
+  const auto dir = testing::scratch_dir();
+  const CliResult r = run_octet("train --device cpu --bogus-flag 3", dir);
+  expect_one_error_line(r, "--bogus-flag");
+  EXPECT_EQ(r.exit_code, 2);
+}
+
+TEST(Cli, ImpossibleSizesAreOneLine) {
+  const auto dir = testing::scratch_dir();
+  expect_one_error_line(run_octet("train --device cpu --dim 30 --heads 4 --steps 1", dir),
+                        "heads (4) must divide dim (30)");
+  expect_one_error_line(run_octet("train --device cpu --seq 100000 --steps 1", dir),
+                        "position table");
+}
+
+TEST(Cli, MissingDataAndCheckpointAreOneLine) {
+  const auto dir = testing::scratch_dir();
+  expect_one_error_line(run_octet("train --device cpu --data text:nope.txt --steps 1", dir),
+                        "nope.txt");
+  expect_one_error_line(run_octet("inspect missing.safetensors", dir), "missing.safetensors");
+}
+
+TEST(Cli, OutOfGpuMemoryNamesTheNeedAndSuggestsASmallerBatch) {
+  if (cuda_device_count() == 0) GTEST_SKIP() << "needs a GPU";
+  const auto dir = testing::scratch_dir();
+  // A 4M x 16384 embedding: 275 GB in FP32, more than any one GPU (the first allocation fails).
+  const CliResult r = run_octet(
+      "train --device cuda --model tiny --layers 1 --dim 16384 --heads 128 --ffn 256 "
+      "--vocab 4194304 --steps 1",
+      dir);
+  expect_one_error_line(r, "out of GPU memory");
+  EXPECT_THAT(r.output, HasSubstr("MiB"));
+  EXPECT_THAT(r.output, HasSubstr("--batch"));
+  EXPECT_THAT(r.output, HasSubstr("--recompute"));
+}
+
+}  // namespace
+}  // namespace octet
