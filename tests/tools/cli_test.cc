@@ -73,7 +73,7 @@ TEST(Cli, OutOfGpuMemoryNamesTheNeedAndSuggestsASmallerBatch) {
   // A 4M x 16384 embedding: 275 GB in FP32, more than any one GPU (the first allocation fails).
   const CliResult r = run_octet(
       "train --device cuda --model tiny --layers 1 --dim 16384 --heads 128 --ffn 256 "
-      "--vocab 4194304 --steps 1",
+      "--vocab 4194304 --seq 128 --batch 8 --steps 1",
       dir);
   expect_one_error_line(r, "out of GPU memory");
   EXPECT_THAT(r.output, HasSubstr("MiB"));
