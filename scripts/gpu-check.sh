@@ -249,8 +249,10 @@ def gpu():
 
 lines.append("octet gpu-check  " + os.popen("date -u +%Y-%m-%dT%H:%M:%SZ").read().strip())
 lines.append("gpu: " + gpu())
+# A copied working tree may differ from its HEAD (the device tool copies files, not commits).
+dirty = os.popen("git status --porcelain --untracked-files=no 2>/dev/null").read().strip()
 lines.append("commit: " + (os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
-                          or "unknown"))
+                          or "unknown") + (" + uncommitted changes" if dirty else ""))
 lines.append("stages: " + " ".join(stages) + "  (" + ", ".join(
     f"{s} {value[s + '_seconds']}s" for s in stages if s + "_seconds" in value) + ")")
 info = os.path.join(state, "build_info.txt")
