@@ -132,4 +132,20 @@ void cast(const Tensor& x, const Tensor& out) {
       device, "cast", [&] { cpu::cast(x, out); }, [&] { OCTET_CUDA_ONLY(cuda::cast(x, out)); });
 }
 
+void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts) {
+  constexpr const char* op = "count_fp8_codes";
+  check_high_precision(x, op, "x");
+  check_non_empty(x, op, "x");
+  OCTET_CHECK(codes.defined() && is_fp8(codes.dtype()), op, ": codes must be e4m3 or e5m2, got ",
+              codes.defined() ? codes.describe() : "none");
+  OCTET_CHECK(codes.numel() == x.numel(), op, ": codes hold ", codes.numel(),
+              " elements but x has ", x.numel(), " (", x.describe(), " vs ", codes.describe(), ")");
+  OCTET_CHECK(counts.defined() && counts.dtype() == DType::i64 && counts.numel() == 3, op,
+              ": counts must be i64[3], got ", counts.defined() ? counts.describe() : "none");
+  const Device device = common_device({&x, &codes, &counts}, op);
+  dispatch(
+      device, op, [&] { cpu::count_fp8_codes(x, codes, counts); },
+      [&] { OCTET_CUDA_ONLY(cuda::count_fp8_codes(x, codes, counts)); });
+}
+
 }  // namespace octet::ops

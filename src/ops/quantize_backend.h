@@ -3,13 +3,32 @@
 // of these; backends may assume valid, non-empty inputs on one device.
 #pragma once
 
+#include "octet/fp8/format.h"
 #include "octet/ops/quantize.h"
+
+namespace octet::ops {
+
+/// count_fp8_codes' rule for one element, shared by both backends: adds to counts[kSaturatedCodes,
+/// kUnderflowCodes, kNonzeroInputs]. `max_code` is the format's largest finite magnitude code.
+template <typename Count>
+OCTET_HD void count_fp8_code(float x, uint8_t code, uint8_t max_code, Count* counts) {
+  constexpr uint8_t kMagnitude = 0x7F;  // every bit of an FP8 code but the sign
+  const uint8_t magnitude = code & kMagnitude;
+  counts[kSaturatedCodes] += magnitude == max_code;
+  if (x != 0.0f) {
+    counts[kNonzeroInputs] += 1;
+    counts[kUnderflowCodes] += magnitude == 0;
+  }
+}
+
+}  // namespace octet::ops
 
 namespace octet::ops::cpu {
 void amax(const Tensor& x, const Tensor& amax_out);
 void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& args);
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed);
 void cast(const Tensor& x, const Tensor& out);
+void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts);
 }  // namespace octet::ops::cpu
 
 namespace octet::ops::cuda {
@@ -17,4 +36,5 @@ void amax(const Tensor& x, const Tensor& amax_out);
 void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& args);
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed);
 void cast(const Tensor& x, const Tensor& out);
+void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts);
 }  // namespace octet::ops::cuda

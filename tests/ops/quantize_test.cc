@@ -395,6 +395,80 @@ TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
 
 INSTANTIATE_TEST_SUITE_P(Ops, AmaxParity, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
 
+// ----------------------------------------------------------------------------
+// count_fp8_codes: the FP8 statistics' saturated / underflow / nonzero counts
+
+using CountFp8Codes = testing::SeededParityTest<DTypeCase>;
+
+TEST_P(CountFp8Codes, CountsSaturatedUnderflowAndNonzeroLikeANaiveScan) {
+  const DTypeCase& p = GetParam();
+  const float magnitude = draw_magnitude(rng);
+  std::vector<float> values = make_input(p.shape.rows, p.shape.cols, p.input, rng(), magnitude);
+  // Some exact zeros and some values far below the format's reach, so every count is exercised.
+  std::uniform_int_distribution<int> pick(0, 7);
+  for (float& v : values) {
+    const int k = pick(rng);
+    if (k == 0) v = 0.0f;
+    if (k == 1) v = representable(v * 1e-12f, p.input);
+  }
+  const Shape shape{p.shape.rows, p.shape.cols};
+  const Tensor x = on(make_tensor(values, shape, p.input), p.backend);
+  for (DType fp8_dtype : {DType::e4m3, DType::e5m2}) {
+    SCOPED_TRACE(dtype_name(fp8_dtype));
+    // A scale that sends the upper half of the magnitudes past the format's largest value.
+    const float scale = 2.0f * fp8::fp8_max(fp8_dtype) / magnitude;
+    QuantizedTensor q = QuantizedTensor::allocate(p.shape.rows, p.shape.cols, fp8_dtype,
+                                                  ScalingMode::per_tensor, Usage{}, p.backend);
+    ops::QuantizeArgs args;
+    args.scale = scalar_on(scale, p.backend);
+    ops::quantize(x, q, args);
+    Tensor initial = Tensor::zeros({3}, DType::i64);  // counts accumulate: start from 5, 6, 7
+    for (int j = 0; j < 3; ++j) initial.data<int64_t>()[j] = 5 + j;
+    const Tensor counts = on(initial, p.backend);
+    ops::count_fp8_codes(x, q.data, counts);
+
+    const std::vector<float> x_host = testing::to_floats(x);
+    const Tensor codes = q.data.to(Device::cpu());
+    const auto* c = static_cast<const uint8_t*>(codes.raw_data());
+    const uint8_t max_code = fp8::encode_fp8(fp8::fp8_max(fp8_dtype), fp8_dtype);
+    int64_t saturated = 5, underflow = 6, nonzero = 7;
+    for (size_t i = 0; i < x_host.size(); ++i) {
+      saturated += (c[i] & 0x7F) == max_code;
+      nonzero += x_host[i] != 0.0f;
+      underflow += x_host[i] != 0.0f && (c[i] & 0x7F) == 0;
+    }
+    EXPECT_GT(saturated, 5);
+    EXPECT_GT(underflow, 6);
+    const Tensor got = counts.to(Device::cpu());
+    EXPECT_EQ(got.data<int64_t>()[ops::kSaturatedCodes], saturated);
+    EXPECT_EQ(got.data<int64_t>()[ops::kUnderflowCodes], underflow);
+    EXPECT_EQ(got.data<int64_t>()[ops::kNonzeroInputs], nonzero);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, CountFp8Codes, ::testing::ValuesIn(dtype_cases(false)),
+                         dtype_case_name);
+
+TEST(QuantizeErrors, CountFp8CodesChecksItsArguments) {
+  const Tensor x = Tensor::zeros({4, 8}, DType::f32);
+  const Tensor counts = Tensor::zeros({3}, DType::i64);
+  expect_error(
+      [&] {
+        ops::count_fp8_codes(x, Tensor::zeros({4, 8}, DType::f32), counts);
+      },
+      {"count_fp8_codes: codes must be e4m3 or e5m2", "f32[4, 8]"});
+  expect_error(
+      [&] {
+        ops::count_fp8_codes(x, Tensor::zeros({4, 7}, DType::e4m3), counts);
+      },
+      {"codes hold 28 elements but x has 32"});
+  expect_error(
+      [&] {
+        ops::count_fp8_codes(x, Tensor::zeros({32}, DType::e4m3), Tensor::zeros({3}, DType::f32));
+      },
+      {"counts must be i64[3]"});
+}
+
 using AmaxNaN = testing::SeededParityTest<DTypeCase>;
 
 TEST_P(AmaxNaN, NaNWinsWhereverItIs) {

@@ -34,4 +34,13 @@ void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transpose
 /// out = x converted between f32 and bf16 (round-to-nearest-even); same shape, any of the two.
 void cast(const Tensor& x, const Tensor& out);
 
+/// Indices into count_fp8_codes' counts.
+enum Fp8CodeCount : int { kSaturatedCodes = 0, kUnderflowCodes = 1, kNonzeroInputs = 2 };
+
+/// Quantization health of x (f32 or bf16) and its FP8 codes (e4m3 or e5m2, x's element count, as
+/// a quantize wrote them, element i for x's element i): counts (i64[3] on x's device) +=
+/// {codes at the format's largest finite magnitude (saturated), nonzero inputs whose code is
+/// zero (underflow), nonzero inputs}. Integer sums, so the counts do not depend on order.
+void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts);
+
 }  // namespace octet::ops

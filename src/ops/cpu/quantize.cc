@@ -325,4 +325,26 @@ void cast(const Tensor& x, const Tensor& out) {
   }
 }
 
+void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts) {
+  const uint8_t max_code = fp8::encode_fp8(fp8::fp8_max(codes.dtype()), codes.dtype());
+  const auto* c = static_cast<const uint8_t*>(codes.raw_data());
+  const int64_t n = x.numel();
+  int64_t saturated = 0, underflow = 0, nonzero = 0;
+  visit_input(x, [&](const auto* p) {
+  // Integer sums: the result does not depend on how OpenMP splits the loop.
+#pragma omp parallel for reduction(+ : saturated, underflow, nonzero)
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t local[3] = {0, 0, 0};
+      count_fp8_code(load(p, i), c[i], max_code, local);
+      saturated += local[kSaturatedCodes];
+      underflow += local[kUnderflowCodes];
+      nonzero += local[kNonzeroInputs];
+    }
+  });
+  int64_t* out = counts.data<int64_t>();
+  out[kSaturatedCodes] += saturated;
+  out[kUnderflowCodes] += underflow;
+  out[kNonzeroInputs] += nonzero;
+}
+
 }  // namespace octet::ops::cpu

@@ -450,6 +450,31 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
+/// counts[0..2] += count_fp8_code over every element (integer atomics: order-independent). Each
+/// warp sums its lanes' counts with shuffles and adds them once.
+template <typename T>
+__global__ void __launch_bounds__(kFlatThreads)
+    count_fp8_codes_kernel(const T* __restrict__ x, const uint8_t* __restrict__ codes, int64_t n,
+                           bool vec, uint8_t max_code, unsigned long long* counts) {
+  unsigned long long local[3] = {0, 0, 0};
+  const int64_t runs = (n + kRunElems - 1) / kRunElems;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
+       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
+    const int64_t i = s * kRunElems;
+    float v[kRunElems];
+    load_run(x + i, n - i, vec, v);
+    const int64_t count = n - i < kRunElems ? n - i : kRunElems;
+    for (int64_t k = 0; k < count; ++k) count_fp8_code(v[k], codes[i + k], max_code, local);
+  }
+#pragma unroll
+  for (int j = 0; j < 3; ++j) {
+    unsigned long long c = local[j];
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+      c += __shfl_down_sync(0xffffffffu, c, offset);
+    if (threadIdx.x % kWarpSize == 0 && c != 0) atomicAdd(counts + j, c);
+  }
+}
+
 // ----------------------------------------------------------------------------
 // Kernel launchers
 
@@ -664,6 +689,25 @@ void cast(const Tensor& x, const Tensor& out) {
         static_cast<const uint16_t*>(x.raw_data()), static_cast<float*>(out.raw_data()), n, vec);
   }
   OCTET_CHECK_LAUNCH();
+}
+
+void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts) {
+  const Device device = x.device();
+  DeviceGuard guard(device);
+  cudaStream_t stream = octet::cuda::stream(device);
+  const int64_t n = x.numel();
+  const uint8_t max_code = fp8::encode_fp8(fp8::fp8_max(codes.dtype()), codes.dtype());
+  static_assert(sizeof(unsigned long long) == sizeof(int64_t), "i64 counts as CUDA's atomics");
+  auto* out = static_cast<unsigned long long*>(counts.raw_data());
+  const auto* c = static_cast<const uint8_t*>(codes.raw_data());
+  quant::visit_input(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* p = static_cast<const T*>(x.raw_data());
+    const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
+    quant::count_fp8_codes_kernel<T>
+        <<<grid, quant::kFlatThreads, 0, stream>>>(p, c, n, quant::vec_aligned(p), max_code, out);
+    OCTET_CHECK_LAUNCH();
+  });
 }
 
 }  // namespace octet::ops::cuda
