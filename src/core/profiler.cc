@@ -1,6 +1,7 @@
 #include "octet/core/profiler.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <mutex>
@@ -26,7 +27,7 @@ struct Record {
 
 struct State {
   std::mutex mutex;
-  bool enabled = false;
+  std::atomic<bool> enabled = false;  ///< read by every op call, unlocked
   std::vector<Record> records;
 #if OCTET_WITH_CUDA
   std::map<int, std::vector<cudaEvent_t>> free_events;  ///< per device index, for reuse
@@ -56,10 +57,7 @@ thread_local int depth = 0;
 
 }  // namespace
 
-void set_enabled(bool on) {
-  std::lock_guard lock(state().mutex);
-  state().enabled = on;
-}
+void set_enabled(bool on) { state().enabled = on; }
 
 bool enabled() { return state().enabled; }
 
