@@ -129,6 +129,20 @@ __device__ __forceinline__ void load_run(const T* p, int64_t count, bool vec, fl
   }
 }
 
+/// The grid-stride loop of the flat kernels (kFlatThreads per CTA): calls f(i, v) for every
+/// 16-element run of x[0, n), i its first index and v its values as floats (0 past n).
+template <typename T, typename F>
+__device__ __forceinline__ void for_each_run(const T* x, int64_t n, bool vec, F&& f) {
+  const int64_t runs = (n + kRunElems - 1) / kRunElems;
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
+       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
+    const int64_t i = s * kRunElems;
+    float v[kRunElems];
+    load_run(x + i, n - i, vec, v);
+    f(i, v);
+  }
+}
+
 /// Stores a 16-byte FP8 run (see quantize_run).
 __device__ __forceinline__ void store_fp8_run(uint8_t* p, int64_t count, bool vec, const uint4& q) {
   if (vec && count >= kRunElems) {

@@ -310,15 +310,8 @@ template <typename T>
 __global__ void __launch_bounds__(kFlatThreads)
     amax_kernel(const T* __restrict__ x, int64_t n, bool vec, uint32_t* amax) {
   __shared__ uint32_t scratch[kFlatThreads / kWarpSize];
-  const int64_t runs = (n + kRunElems - 1) / kRunElems;
   uint32_t m = 0;
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
-       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
-    const int64_t i = s * kRunElems;
-    float v[kRunElems];
-    load_run(x + i, n - i, vec, v);
-    m = max(m, run_amax_bits(v));
-  }
+  for_each_run(x, n, vec, [&](int64_t, const float* v) { m = max(m, run_amax_bits(v)); });
   publish_amax<kFlatThreads>(m, amax, scratch);
 }
 
@@ -333,16 +326,11 @@ __global__ void __launch_bounds__(kFlatThreads)
   __shared__ uint32_t scratch[kFlatThreads / kWarpSize];
   const float multiplier = *scale;
   if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = fp8::scale_inv_of(multiplier);
-  const int64_t runs = (n + kRunElems - 1) / kRunElems;
   uint32_t m = 0;
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
-       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
-    const int64_t i = s * kRunElems;
-    float v[kRunElems];
-    load_run(x + i, n - i, vec, v);
+  for_each_run(x, n, vec, [&](int64_t i, const float* v) {
     if (amax != nullptr) m = max(m, run_amax_bits(v));
     store_fp8_run(data + i, n - i, vec, quantize_run<kFp8>(v, multiplier));
-  }
+  });
   if (amax != nullptr) publish_amax<kFlatThreads>(m, amax, scratch);
 }
 
@@ -440,14 +428,8 @@ __global__ void __launch_bounds__(kFlatThreads) dequantize_kernel(const DequantP
 template <typename TIn, typename TOut>
 __global__ void __launch_bounds__(kFlatThreads)
     cast_kernel(const TIn* __restrict__ x, TOut* __restrict__ out, int64_t n, bool vec) {
-  const int64_t runs = (n + kRunElems - 1) / kRunElems;
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
-       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
-    const int64_t i = s * kRunElems;
-    float v[kRunElems];
-    load_run(x + i, n - i, vec, v);
-    store_run<TOut>(out + i, n - i, vec, v);
-  }
+  for_each_run(x, n, vec,
+               [&](int64_t i, const float* v) { store_run<TOut>(out + i, n - i, vec, v); });
 }
 
 /// counts[0..2] += count_fp8_code over every element (integer atomics: order-independent). Each
@@ -457,15 +439,10 @@ __global__ void __launch_bounds__(kFlatThreads)
     count_fp8_codes_kernel(const T* __restrict__ x, const uint8_t* __restrict__ codes, int64_t n,
                            bool vec, uint8_t max_code, unsigned long long* counts) {
   unsigned long long local[3] = {0, 0, 0};
-  const int64_t runs = (n + kRunElems - 1) / kRunElems;
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
-       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
-    const int64_t i = s * kRunElems;
-    float v[kRunElems];
-    load_run(x + i, n - i, vec, v);
+  for_each_run(x, n, vec, [&](int64_t i, const float* v) {
     const int64_t count = n - i < kRunElems ? n - i : kRunElems;
     for (int64_t k = 0; k < count; ++k) count_fp8_code(v[k], codes[i + k], max_code, local);
-  }
+  });
 #pragma unroll
   for (int j = 0; j < 3; ++j) {
     unsigned long long c = local[j];
