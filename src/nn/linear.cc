@@ -48,10 +48,11 @@ void current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
 
 /// Quantizes the [rows, cols] matrix x for `role`, row-wise and, unless `rowwise_only`, transposed
 /// (a training operand is used both ways; an inference input only row-wise). `scale`: per-tensor
-/// recipes only; `amax_slot`: optional.
+/// recipes only; `amax_slot`: optional; `column_sums`: optional, += x's column sums (bias
+/// gradients ride on grad_output's cast).
 fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
                                   const Tensor& scale, const Tensor& amax_slot,
-                                  bool rowwise_only = false) {
+                                  bool rowwise_only = false, const Tensor& column_sums = {}) {
   fp8::QuantizedTensor q = fp8::QuantizedTensor::allocate(
       x.rows(), x.cols(), recipe.dtype_for(role), recipe.mode_for(role),
       fp8::Usage{.rowwise = true, .columnwise = !rowwise_only}, x.device());
@@ -59,6 +60,7 @@ fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, Te
   args.scale = scale;
   args.amax = amax_slot;
   args.power_of_2_block_scales = recipe.power_of_2_scales;  // read by block scaling only
+  args.column_sums = column_sums;
   ops::quantize(x, q, args);
   return q;
 }
@@ -299,7 +301,6 @@ Tensor Linear::backward(const Tensor& dy, const Saved& saved) {
   Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
   const Tensor dy2 = dy.view({-1, out_});
   const Tensor dx2 = dx.view({-1, in_});
-  if (grad_bias_.defined()) ops::sum_rows(dy2, grad_bias_, /*accumulate=*/true);
   if (saved.snapshot.fp8) {
     backward_fp8(dy2, dx2, saved);
   } else {
@@ -323,8 +324,9 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
     scale = Tensor::empty({1}, DType::f32, device_);
     current_scale(dy, recipe, TensorRole::grad_output, scale);
   }
-  const fp8::QuantizedTensor dy_q = quantize_for(dy, recipe, TensorRole::grad_output, scale,
-                                                 state_->amax_slot(TensorRole::grad_output));
+  const fp8::QuantizedTensor dy_q =
+      quantize_for(dy, recipe, TensorRole::grad_output, scale,
+                   state_->amax_slot(TensorRole::grad_output), /*rowwise_only=*/false, grad_bias_);
   state_->mark_recorded(Pass::backward);
 
   ops::GemmArgs dgrad;
@@ -345,6 +347,7 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
 }
 
 void Linear::backward_dense(const Tensor& dy, const Tensor& dx, const Saved& saved) {
+  if (grad_bias_.defined()) ops::sum_rows(dy, grad_bias_, /*accumulate=*/true);
   const Tensor dy_c = in_dtype(dy, saved.input.dtype());
   // dx [rows, in] = dy [rows, out] W [out, in].
   ops::gemm(ops::GemmOperand::dense(dy_c), ops::GemmOperand::dense(saved.snapshot.weight->dense),

@@ -94,10 +94,14 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
                 "received ", args.scale.describe());
   }
   if (args.amax.defined()) check_f32_scalar(args.amax, "quantize", "args.amax", 1);
-  const Device device =
-      common_device({&x, if_defined(out.data), if_defined(out.scale_inv), if_defined(out.data_t),
-                     if_defined(out.scale_inv_t), if_defined(args.scale), if_defined(args.amax)},
-                    "quantize");
+  if (args.column_sums.defined()) {
+    check_buffer(args.column_sums, "quantize", "args.column_sums", {cols}, DType::f32);
+  }
+  const Device device = common_device(
+      {&x, if_defined(out.data), if_defined(out.scale_inv), if_defined(out.data_t),
+       if_defined(out.scale_inv_t), if_defined(args.scale), if_defined(args.amax),
+       if_defined(args.column_sums)},
+      "quantize");
   dispatch(
       device, "quantize", [&] { cpu::quantize(x, out, args); },
       [&] { OCTET_CUDA_ONLY(cuda::quantize(x, out, args)); });

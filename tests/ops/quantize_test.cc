@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "octet/ops/reduce.h"
 #include "ops/op_check.h"
 #include "ops/quantize_ref.h"
 #include "test_util.h"
@@ -394,6 +395,60 @@ TEST_P(AmaxParity, RaisesElementZeroToMaxAbs) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, AmaxParity, ::testing::ValuesIn(dtype_cases(false)), dtype_case_name);
+
+// ----------------------------------------------------------------------------
+// column sums fused into the quantize (a Linear's bias gradient from its grad_output's cast)
+
+using QuantizeColumnSums = testing::SeededParityTest<DTypeCase>;
+
+TEST_P(QuantizeColumnSums, AddSumRowsBitsAndLeaveTheCopiesAlone) {
+  const DTypeCase& p = GetParam();
+  const int64_t rows = p.shape.rows, cols = p.shape.cols;
+  const float magnitude = draw_magnitude(rng);
+  const std::vector<float> values = make_input(rows, cols, p.input, rng(), magnitude);
+  const Tensor x = on(make_tensor(values, {rows, cols}, p.input), p.backend);
+  const Tensor initial = testing::random_tensor({cols}, DType::f32, rng(), magnitude);
+  Tensor expected_sums = on(initial.clone(), p.backend);
+  ops::sum_rows(x, expected_sums, /*accumulate=*/true);
+  // The fused column pass (both copies), and the fallbacks without a transposed copy.
+  const std::pair<ScalingMode, Usage> layouts[] = {
+      {ScalingMode::per_tensor, {true, true}},   {ScalingMode::per_tensor, {false, true}},
+      {ScalingMode::block_1x128, {true, true}},  {ScalingMode::mxfp8_1x32, {true, true}},
+      {ScalingMode::per_tensor, {true, false}},  {ScalingMode::block_128x128, {true, false}}};
+  for (const auto& [mode, usage] : layouts) {
+    SCOPED_TRACE(::testing::Message() << fp8::scaling_mode_name(mode) << " " << usage_name(usage));
+    const auto quantize = [&](const Tensor& column_sums) {
+      QuantizedTensor q = QuantizedTensor::allocate(rows, cols, DType::e5m2, mode, usage, p.backend);
+      ops::QuantizeArgs args;
+      if (mode == ScalingMode::per_tensor) args.scale = scalar_on(57344.0f / magnitude, p.backend);
+      args.amax = scalar_on(0.0f, p.backend);
+      args.column_sums = column_sums;
+      ops::quantize(x, q, args);
+      return std::make_pair(q, args.amax);
+    };
+    const Tensor sums = on(initial.clone(), p.backend);
+    const auto [fused, fused_amax] = quantize(sums);
+    const auto [plain, plain_amax] = quantize(Tensor());
+    EXPECT_TRUE(bitwise_equal(expected_sums, sums)) << "column sums";
+    EXPECT_TRUE(bitwise_equal(plain_amax, fused_amax)) << "amax";
+    if (usage.rowwise) EXPECT_TRUE(bitwise_equal(plain.data, fused.data)) << "data";
+    if (usage.columnwise) EXPECT_TRUE(bitwise_equal(plain.data_t, fused.data_t)) << "data_t";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, QuantizeColumnSums, ::testing::ValuesIn(dtype_cases(false)),
+                         dtype_case_name);
+
+TEST(QuantizeErrors, ColumnSumsMustBeF32OfTheColumns) {
+  const Tensor x = testing::random_tensor({8, 16}, DType::f32, fresh_seed());
+  QuantizedTensor q = QuantizedTensor::allocate(8, 16, DType::e4m3, ScalingMode::block_1x128,
+                                                Usage{true, true}, Device::cpu());
+  ops::QuantizeArgs args;
+  args.column_sums = Tensor::zeros({8}, DType::f32);
+  expect_error([&] { ops::quantize(x, q, args); }, {"args.column_sums", "f32[16]"});
+  args.column_sums = Tensor::zeros({16}, DType::bf16);
+  expect_error([&] { ops::quantize(x, q, args); }, {"args.column_sums", "f32[16]"});
+}
 
 // ----------------------------------------------------------------------------
 // count_fp8_codes: the FP8 statistics' saturated / underflow / nonzero counts

@@ -18,17 +18,23 @@ using testing::fresh_seed;
 using ::testing::HasSubstr;
 using testing::to_floats;
 
-/// The documented order computed independently: per-tile sequential partials, then the partials
-/// in tile order after `initial`. Every backend must produce exactly these bits.
+/// The documented order computed independently: per tile, the in-order sum of its runs'
+/// sequential sums; then the tiles' partials in order after `initial`. Every backend must produce
+/// exactly these bits.
 std::vector<float> reference_sum_rows(const std::vector<float>& x, int64_t rows, int64_t cols,
                                       const std::vector<float>& initial, bool accumulate) {
   std::vector<float> out(cols);
   for (int64_t c = 0; c < cols; ++c) {
     float sum = accumulate ? initial[c] : 0.0f;
-    for (int64_t begin = 0; begin < rows; begin += ops::kSumRowsTileRows) {
+    for (int64_t tile = 0; tile < rows; tile += ops::kSumRowsTileRows) {
+      const int64_t tile_end = std::min(rows, tile + ops::kSumRowsTileRows);
       float partial = 0.0f;
-      for (int64_t r = begin; r < std::min(rows, begin + ops::kSumRowsTileRows); ++r)
-        partial += x[r * cols + c];
+      for (int64_t run = tile; run < tile_end; run += ops::kSumRowsRunRows) {
+        float run_sum = 0.0f;
+        for (int64_t r = run; r < std::min(tile_end, run + ops::kSumRowsRunRows); ++r)
+          run_sum += x[r * cols + c];
+        partial += run_sum;
+      }
       sum += partial;
     }
     out[c] = sum;

@@ -20,6 +20,12 @@ struct QuantizeArgs {
   Tensor amax;
   /// block_1x128 / block_128x128: round each block's scale down to a power of two.
   bool power_of_2_block_scales = true;
+  /// Optional f32[cols] on x's device: column_sums[c] += the sum over the rows of x[:, c], in
+  /// sum_rows' fixed order and bit-identical to ops::sum_rows(x, column_sums, true). A Linear's
+  /// bias gradient comes out of its grad_output's cast this way. The CUDA backend computes it in
+  /// the quantize kernel when the transposed copy is written (that pass holds whole columns);
+  /// otherwise it runs sum_rows after the quantize.
+  Tensor column_sums;
 };
 
 /// Quantizes the [rows, cols] matrix view of x (f32 or bf16) into `out`, whose allocated buffers

@@ -13,6 +13,7 @@
 #include "octet/fp8/format.h"
 #include "octet/fp8/scaling_math.h"
 #include "ops/quantize_backend.h"
+#include "ops/reduce_backend.h"
 
 namespace octet::ops::cpu {
 namespace {
@@ -268,6 +269,7 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
                      decltype(fp8_tag)::value>(p, out, args);
     });
   });
+  if (args.column_sums.defined()) sum_rows(x, args.column_sums, /*accumulate=*/true);
 }
 
 void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {

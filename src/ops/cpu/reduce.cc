@@ -20,14 +20,19 @@ void sum_rows(const Tensor& x, const Tensor& out, bool accumulate) {
   const int64_t rows = x.rows();
   const int64_t cols = x.cols();
   const int64_t tiles = (rows + kSumRowsTileRows - 1) / kSumRowsTileRows;
-  // First pass: one partial row per tile, each a sequential sum over the tile's rows.
+  // First pass: one partial row per tile, the in-order sum of its runs' sequential sums.
   std::vector<float> partials(static_cast<size_t>(tiles * cols), 0.0f);
 #pragma omp parallel for schedule(static)
   for (int64_t tile = 0; tile < tiles; ++tile) {
     float* partial = partials.data() + tile * cols;
+    std::vector<float> run(static_cast<size_t>(cols));
     const int64_t end = std::min(rows, (tile + 1) * kSumRowsTileRows);
-    for (int64_t r = tile * kSumRowsTileRows; r < end; ++r) {
-      for (int64_t c = 0; c < cols; ++c) partial[c] += load(x, r * cols + c);
+    for (int64_t begin = tile * kSumRowsTileRows; begin < end; begin += kSumRowsRunRows) {
+      std::fill(run.begin(), run.end(), 0.0f);
+      for (int64_t r = begin; r < std::min(end, begin + kSumRowsRunRows); ++r) {
+        for (int64_t c = 0; c < cols; ++c) run[c] += load(x, r * cols + c);
+      }
+      for (int64_t c = 0; c < cols; ++c) partial[c] += run[c];
     }
   }
   // Second pass: the partials in tile order, after what out already holds.

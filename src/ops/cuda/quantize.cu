@@ -20,6 +20,7 @@
 #include "octet/core/device.h"
 #include "ops/cuda/fp8_kernels.cuh"
 #include "ops/quantize_backend.h"
+#include "ops/reduce_backend.h"
 
 namespace octet::ops::cuda {
 namespace quant {
@@ -111,6 +112,9 @@ struct TileParams {
   uint32_t* amax;                    ///< optional: raised to max|x| after every FP8 store
   bool x_vec, data_vec, data_t_vec;  ///< 16-byte vector accesses allowed (alignment, extents)
   bool power_of_2;                   ///< block modes: power-of-two scales
+  /// Optional, with data_t: [tile_rows, cols], each tile's column sums in sum_rows' order
+  /// (combine_row_partials finishes them).
+  float* col_partials;
 };
 
 /// Parameters of dequantize over the stored copy's own [rows, cols] (blocks as the CPU's row-wise
@@ -243,6 +247,34 @@ __device__ __forceinline__ void quantize_tile_rows(const TileParams& p, const T*
   }
 }
 
+/// The tile's partial column sums for columns gc and gc + 1, from the lanes' 16-row runs a and b
+/// (rows 16 col_run ... of the tile; rows past x are 0 and change no sum): each run summed
+/// sequentially, then the tile's 8 runs in order, which is sum_rows' order (reduce.h). Every lane
+/// of the warp must call it.
+__device__ __forceinline__ void add_column_partials(const TileParams& p, int64_t ti, int64_t gc,
+                                                    int pair, int col_run, const float* a,
+                                                    const float* b) {
+  static_assert(kRunElems == kSumRowsRunRows && kTile == kSumRowsTileRows,
+                "a lane's column run is one of sum_rows' runs, a tile one of its tiles");
+  float run_a = 0.0f, run_b = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kRunElems; ++k) {
+    run_a += a[k];
+    run_b += b[k];
+  }
+  // The runs of these columns sit in lanes pair, pair + kColPairsPerWarp, ... in row order.
+  float tile_a = __shfl_sync(kFullMask, run_a, pair);
+  float tile_b = __shfl_sync(kFullMask, run_b, pair);
+#pragma unroll
+  for (int run = 1; run < kColRunsPerCol; ++run) {
+    tile_a += __shfl_sync(kFullMask, run_a, pair + run * kColPairsPerWarp);
+    tile_b += __shfl_sync(kFullMask, run_b, pair + run * kColPairsPerWarp);
+  }
+  if (col_run != 0) return;
+  if (gc < p.cols) p.col_partials[ti * p.cols + gc] = tile_a;
+  if (gc + 1 < p.cols) p.col_partials[ti * p.cols + gc + 1] = tile_b;
+}
+
 /// Writes the column-wise copy (data_t rows = tile columns) of the tile (ti, tj) and its scales.
 template <typename T, ScalingMode kMode, DType kFp8>
 __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T* tile, int64_t ti,
@@ -292,6 +324,7 @@ __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T*
     } else if constexpr (kMode == ScalingMode::per_tensor) {
       if (want_amax) amax_bits = max(amax_bits, max(run_amax_bits(a), run_amax_bits(b)));
     }
+    if (p.col_partials != nullptr) add_column_partials(p, ti, gc, pair, col_run, a, b);
     const uint4 qa = quantize_run<kFp8>(a, mul_a);
     const uint4 qb = quantize_run<kFp8>(b, mul_b);
     if (gc < p.cols) store_fp8_run(p.data_t + gc * p.rows + gr, p.rows - gr, p.data_t_vec, qa);
@@ -569,6 +602,7 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
         OCTET_CHECK_LAUNCH();
       });
     });
+    if (args.column_sums.defined()) sum_rows(x, args.column_sums, /*accumulate=*/true);
     return;
   }
 
@@ -592,6 +626,12 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
   p.data_t_vec =
       p.data_t != nullptr && quant::vec_aligned(p.data_t) && rows % quant::kRunElems == 0;
   p.power_of_2 = args.power_of_2_block_scales;
+  // Column sums ride on the column pass; without a transposed copy, sum_rows reads x again.
+  Tensor col_partials;  // stream-ordered workspace, freed after the kernels that use it
+  if (args.column_sums.defined() && p.data_t != nullptr) {
+    col_partials = Tensor::empty({p.tile_rows, cols}, DType::f32, device);
+    p.col_partials = col_partials.data<float>();
+  }
   quant::visit_input(x.dtype(), [&](auto in_tag) {
     using T = decltype(in_tag);
     p.x_vec = quant::vec_aligned(p.x) && cols % quant::kVecElems<T> == 0;
@@ -602,6 +642,11 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
       });
     });
   });
+  if (col_partials.defined()) {
+    combine_row_partials(col_partials, args.column_sums, /*accumulate=*/true);
+  } else if (args.column_sums.defined()) {
+    sum_rows(x, args.column_sums, /*accumulate=*/true);
+  }
 }
 
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed) {

@@ -53,34 +53,41 @@ __device__ __forceinline__ void load_floats<2, uint16_t>(const uint16_t* x, int6
 // ----------------------------------------------------------------------------
 // CUDA kernels
 
-/// partials[tile, c] = x[tile*tile_rows, c] + ... + x[min(rows, (tile+1)*tile_rows) - 1, c],
-/// summed sequentially from 0. Each thread owns kCols adjacent columns (cols % kCols == 0).
+/// partials[tile, c] = the sum of column c over the tile's rows in sum_rows' order: runs of
+/// kSumRowsRunRows rows, each summed sequentially from 0, then the run sums in order. Each thread
+/// owns kCols adjacent columns (cols % kCols == 0).
 template <int kCols, typename T>
 __global__ void sum_rows_tile_partials_kernel(const T* __restrict__ x, float* __restrict__ partials,
-                                              int64_t rows, int64_t cols, int64_t tiles,
-                                              int64_t tile_rows) {
+                                              int64_t rows, int64_t cols, int64_t tiles) {
+  static_assert(kSumRowsRunRows % kRowsInFlight == 0, "a run is whole groups of loads");
   const int64_t c = (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kCols;
   const int64_t tile = static_cast<int64_t>(blockIdx.y) * kTilesPerBlock + threadIdx.y;
   if (c >= cols || tile >= tiles) return;
-  const int64_t begin = tile * tile_rows;
-  const int64_t end = min(rows, begin + tile_rows);
+  const int64_t begin = tile * kSumRowsTileRows;
+  const int64_t end = min(rows, begin + kSumRowsTileRows);
   float sum[kCols] = {};
-  int64_t r = begin;
-  for (; r + kRowsInFlight <= end; r += kRowsInFlight) {
-    float v[kRowsInFlight][kCols];
+  for (int64_t run = begin; run < end; run += kSumRowsRunRows) {
+    const int64_t run_end = min(end, run + kSumRowsRunRows);
+    float run_sum[kCols] = {};
+    int64_t r = run;
+    for (; r + kRowsInFlight <= run_end; r += kRowsInFlight) {
+      float v[kRowsInFlight][kCols];
 #pragma unroll
-    for (int j = 0; j < kRowsInFlight; ++j) load_floats<kCols>(x, (r + j) * cols + c, v[j]);
+      for (int j = 0; j < kRowsInFlight; ++j) load_floats<kCols>(x, (r + j) * cols + c, v[j]);
 #pragma unroll
-    for (int j = 0; j < kRowsInFlight; ++j) {
+      for (int j = 0; j < kRowsInFlight; ++j) {
 #pragma unroll
-      for (int k = 0; k < kCols; ++k) sum[k] += v[j][k];
+        for (int k = 0; k < kCols; ++k) run_sum[k] += v[j][k];
+      }
     }
-  }
-  for (; r < end; ++r) {
-    float v[kCols];
-    load_floats<kCols>(x, r * cols + c, v);
+    for (; r < run_end; ++r) {
+      float v[kCols];
+      load_floats<kCols>(x, r * cols + c, v);
 #pragma unroll
-    for (int k = 0; k < kCols; ++k) sum[k] += v[k];
+      for (int k = 0; k < kCols; ++k) run_sum[k] += v[k];
+    }
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) sum[k] += run_sum[k];
   }
 #pragma unroll
   for (int k = 0; k < kCols; ++k) partials[tile * cols + c + k] = sum[k];
@@ -121,8 +128,7 @@ void sum_rows(const Tensor& x, const Tensor& out, bool accumulate) {
   const dim3 grid(static_cast<unsigned>((cols + columns_per_block - 1) / columns_per_block),
                   static_cast<unsigned>(grid_y));
   const auto launch = [&](auto kernel, const auto* data) {
-    kernel<<<grid, block, 0, stream>>>(data, partials.data<float>(), rows, cols, tiles,
-                                       kSumRowsTileRows);
+    kernel<<<grid, block, 0, stream>>>(data, partials.data<float>(), rows, cols, tiles);
   };
   if (x.dtype() == DType::f32) {
     const auto* data = static_cast<const float*>(x.raw_data());
@@ -135,9 +141,14 @@ void sum_rows(const Tensor& x, const Tensor& out, bool accumulate) {
   }
   OCTET_CHECK_LAUNCH();
 
-  const auto combine_blocks =
-      static_cast<unsigned>((cols + kSecondPassThreads - 1) / kSecondPassThreads);
-  sum_rows_combine_kernel<<<combine_blocks, kSecondPassThreads, 0, stream>>>(
+  combine_row_partials(partials, out, accumulate);
+}
+
+void combine_row_partials(const Tensor& partials, const Tensor& out, bool accumulate) {
+  const int64_t tiles = partials.rows(), cols = partials.cols();
+  const auto blocks = static_cast<unsigned>((cols + kSecondPassThreads - 1) / kSecondPassThreads);
+  sum_rows_combine_kernel<<<blocks, kSecondPassThreads, 0,
+                            octet::cuda::stream(partials.device())>>>(
       partials.data<float>(), out.data<float>(), cols, tiles, accumulate);
   OCTET_CHECK_LAUNCH();
 }
