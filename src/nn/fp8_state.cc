@@ -124,37 +124,48 @@ void AmaxRegistry::finalize(Pass pass) {
     reducer_->all_reduce_max(rows);
   }
 
-  // Keep row 0 for statistics; it is zeroed below (roll or explicit).
-  for (const auto& s : pending) ops::cast(history_row0(s->groups_[p]), s->last_amax_[p]);
-
   // One update per (device, margin, algo), states in registration order: ops run on the device
-  // of their tensors, so states on different GPUs are never mixed in one call.
+  // of their tensors, so states on different GPUs are never mixed in one call. The update keeps
+  // row 0 in last_amax (statistics) before it rolls the history.
   struct Bucket {
     Device device;
     int margin;
     fp8::AmaxAlgo algo;
     std::vector<ops::ScalingGroup> groups;
+    std::vector<FP8State*> states;
   };
   std::vector<Bucket> buckets;
   for (const auto& s : pending) {
     const fp8::Recipe& r = s->recipe();
     if (r.kind != fp8::RecipeKind::delayed) {
-      history_row0(s->groups_[p]).zero();  // no scale to roll: the slot only served statistics
+      // No scale to roll: row 0 only served statistics.
+      ops::cast(history_row0(s->groups_[p]), s->last_amax_[p]);
+      history_row0(s->groups_[p]).zero();
       continue;
     }
     auto it = std::find_if(buckets.begin(), buckets.end(), [&](const Bucket& b) {
       return b.device == s->device() && b.margin == r.margin && b.algo == r.amax_compute_algo;
     });
     if (it == buckets.end()) {
-      buckets.push_back({s->device(), r.margin, r.amax_compute_algo, {}});
+      buckets.push_back({s->device(), r.margin, r.amax_compute_algo, {}, {}});
       it = buckets.end() - 1;
     }
-    it->groups.push_back(s->groups_[p]);
+    ops::ScalingGroup group = s->groups_[p];
+    group.last_amax = s->last_amax_[p];
+    // Forward scales are snapshotted by Linear forwards for recompute (Linear::Snapshot): the new
+    // scales go to fresh storage, so a snapshot keeps the values it was taken with.
+    if (pass == Pass::forward) group.next_scale = Tensor::empty(group.scale.shape(), DType::f32,
+                                                                 s->device());
+    it->groups.push_back(std::move(group));
+    it->states.push_back(s.get());
   }
   for (const Bucket& b : buckets) {
     ops::update_delayed_scaling(b.groups.data(), static_cast<int>(b.groups.size()), b.margin,
                                 b.algo);
     ++scaling_update_calls_;
+    for (size_t i = 0; i < b.states.size(); ++i) {
+      if (b.groups[i].next_scale.defined()) b.states[i]->groups_[p].scale = b.groups[i].next_scale;
+    }
   }
   for (const auto& s : pending) s->finish_update(pass);
 }

@@ -133,18 +133,16 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
   if (key.fp8) {
-    // Delayed: the state's weight scale as of this cast; current: the weight's own amax. The
-    // cast records the weight's amax into the weight slot in both (statistics for current).
+    // Delayed: the state's weight scale, read by the quantize kernel in stream order, before any
+    // later update; current: the weight's own amax. The cast records the weight's amax into the
+    // weight slot in both (statistics for current).
     Tensor scale;
-    if (per_tensor(*recipe)) {
+    if (recipe->kind == fp8::RecipeKind::delayed) {
+      scale = state_->scale(TensorRole::weight);
+    } else if (recipe->kind == fp8::RecipeKind::current) {
       scale = Tensor::empty({1}, DType::f32, device_);
-      if (recipe->kind == fp8::RecipeKind::delayed) {
-        ops::cast(state_->scale(TensorRole::weight), scale);
-      } else {
-        current_scale(weight_, *recipe, TensorRole::weight, scale);
-      }
+      current_scale(weight_, *recipe, TensorRole::weight, scale);
     }
-    cast->scale = scale;
     cast->q = quantize_for(weight_, *recipe, TensorRole::weight, scale,
                            inference ? Tensor() : state_->amax_slot(TensorRole::weight));
   } else {
@@ -190,13 +188,13 @@ Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
                              .mode = snap.recipe.mode_for(TensorRole::weight),
                              .power_of_2 = snap.recipe.power_of_2_scales},
                             &snap.recipe, mode);
-  if (per_tensor(snap.recipe)) {
-    // The scales in use, copied so that recompute sees these even after updates. Delayed
-    // scaling knows the input's now; current scaling computes it from the input (forward_fp8).
-    snap.scales = Tensor::empty({2}, DType::f32, device_);
-    if (snap.recipe.kind == fp8::RecipeKind::delayed)
-      ops::cast(state_->scale(TensorRole::input), snap.scales.slice(0, 1));
-    ops::cast(snap.weight->scale, snap.scales.slice(1, 2));
+  // The input scale in use, which recompute must see even after updates. Delayed scaling knows it
+  // now: the state's own, which updates never overwrite (FP8State::scale). Current scaling
+  // computes it from the input (forward_fp8).
+  if (snap.recipe.kind == fp8::RecipeKind::delayed) {
+    snap.input_scale = state_->scale(TensorRole::input);
+  } else if (snap.recipe.kind == fp8::RecipeKind::current) {
+    snap.input_scale = Tensor::empty({1}, DType::f32, device_);
   }
   return out;
 }
@@ -218,7 +216,7 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, Saved& saved
   saved = std::move(out);
   ops::FusedQuantize fused;
   fused.out = &saved.input_q;
-  fused.args.scale = saved.snapshot.scales.slice(0, 1);
+  fused.args.scale = saved.snapshot.input_scale;
   if (mode == ForwardMode::normal) fused.args.amax = state_->amax_slot(TensorRole::input);
   return fused;
 }
@@ -255,11 +253,11 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
 
   Tensor input_scale;
   if (per_tensor(recipe)) {
-    OCTET_CHECK(snap.scales.defined() && snap.scales.numel() == 2,
+    OCTET_CHECK(snap.input_scale.defined() && snap.input_scale.numel() == 1,
                 "Linear::forward(recompute): the snapshot of a per-tensor FP8 recipe must hold "
-                "the two scales of the original forward, got ",
-                snap.scales.describe());
-    input_scale = snap.scales.slice(0, 1);
+                "the input scale of the original forward, got ",
+                snap.input_scale.describe());
+    input_scale = snap.input_scale;
     if (recipe.kind == fp8::RecipeKind::current && mode != ForwardMode::recompute)
       current_scale(x, recipe, TensorRole::input, input_scale);
   }

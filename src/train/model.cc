@@ -134,7 +134,7 @@ Fp8InputStats measure_input(const std::string& name, const Tensor& input,
     return whole == 0 ? 0.0 : static_cast<double>(part) / static_cast<double>(whole);
   };
   stats.amax = item_f32(amax);
-  if (saved.snapshot.scales.defined()) stats.scale = item_f32(saved.snapshot.scales.slice(0, 1));
+  if (saved.snapshot.input_scale.defined()) stats.scale = item_f32(saved.snapshot.input_scale);
   stats.saturated_fraction = fraction(c[ops::kSaturatedCodes], input.numel());
   stats.underflow_fraction = fraction(c[ops::kUnderflowCodes], c[ops::kNonzeroInputs]);
   return stats;

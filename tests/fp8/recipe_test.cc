@@ -414,6 +414,36 @@ TEST_P(DelayedScaling, SeveralGroupsInOneCall) {
   check_against_reference(groups, 2, AmaxAlgo::max);
 }
 
+TEST_P(DelayedScaling, NextScaleLeavesTheOldScaleAndLastAmaxKeepsRowZero) {
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<HostGroup> groups = {random_group(16, 2, fp8::kE4M3Max, rng),
+                                         random_group(3, 1, fp8::kE5M2Max, rng)};
+  std::vector<ops::ScalingGroup> dev;
+  for (const HostGroup& g : groups) {
+    ops::ScalingGroup d = to_device(g, GetParam());
+    const std::vector<float> poison(static_cast<size_t>(g.n), -1.0f);
+    d.next_scale = Tensor::from_vector(poison, {g.n}).to(GetParam());
+    d.last_amax = Tensor::from_vector(poison, {g.n}).to(GetParam());
+    dev.push_back(d);
+  }
+  ops::update_delayed_scaling(dev.data(), static_cast<int>(dev.size()), 1, AmaxAlgo::max);
+  for (size_t i = 0; i < groups.size(); ++i) {
+    SCOPED_TRACE("group " + std::to_string(i));
+    const HostGroup expected = reference_update(groups[i], 1, AmaxAlgo::max);
+    HostGroup actual = to_host(dev[i]);
+    EXPECT_TRUE(same_bits(groups[i].scale, actual.scale)) << "scale is only read";
+    actual.scale = testing::to_floats(dev[i].next_scale);
+    EXPECT_TRUE(same_bits(expected.scale, actual.scale)) << "next_scale";
+    EXPECT_TRUE(same_bits(expected.scale_inv, actual.scale_inv)) << "scale_inv";
+    EXPECT_TRUE(same_bits(expected.history, actual.history)) << "amax_history";
+    const std::vector<float> row0(groups[i].history.begin(),
+                                  groups[i].history.begin() + groups[i].n);
+    EXPECT_TRUE(same_bits(row0, testing::to_floats(dev[i].last_amax))) << "last_amax";
+  }
+}
+
 TEST_P(DelayedScaling, NoGroupsIsANoOp) {
   EXPECT_NO_THROW(ops::update_delayed_scaling(nullptr, 0, 0, AmaxAlgo::max));
 }

@@ -294,17 +294,19 @@ TEST_P(LinearFp8Test, WeightIsCastOncePerStepAndReusedAcrossMicrobatches) {
     EXPECT_EQ(bytes, scale_inv_bytes) << "microbatch " << m;
   }
   layer.on_weights_updated();  // the optimizer stepped
+  Linear::Saved next;
   {
     Fp8Autocast scope(recipe, registry);
-    Linear::Saved next;
     layer.forward(testing::random_tensor({16, 32}, DType::f32, seed).to(device), next);
     EXPECT_NE(next.snapshot.weight, saved[0].snapshot.weight);
   }
   EXPECT_EQ(layer.weight_casts(), 2);
   if (recipe.kind == fp8::RecipeKind::delayed) {
-    // The new cast used the scale learned from the first cast's weight amax.
-    EXPECT_NE(testing::to_bytes(saved[0].snapshot.weight->scale),
-              testing::to_bytes(layer.fp8_state()->scale(fp8::TensorRole::weight)));
+    // The new cast used the scale learned from the first cast's weight amax, and the first cast
+    // still holds its own.
+    EXPECT_NE(testing::to_bytes(saved[0].snapshot.weight->q.scale_inv),
+              testing::to_bytes(next.snapshot.weight->q.scale_inv));
+    EXPECT_EQ(testing::to_bytes(saved[0].snapshot.weight->q.scale_inv), scale_inv_bytes);
   }
 }
 

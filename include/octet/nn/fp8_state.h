@@ -44,7 +44,9 @@ class FP8State {
 
   /// The scaling group of a pass (what ops::update_delayed_scaling updates).
   const ops::ScalingGroup& group(Pass pass) const;
-  /// The scale of a role: an f32[1] view into its group's scale tensor.
+  /// The scale of a role: an f32[1] view into its group's scale tensor. A delayed update writes
+  /// the forward roles' new scales to fresh storage (copy-on-write), so a view of an input or
+  /// weight scale keeps the value it had when it was taken; grad_output's is updated in place.
   Tensor scale(fp8::TensorRole role) const;
   /// The amax slot of a role: an f32[1] view of its element in history row 0, where a cast of
   /// the pass in flight records its amax.

@@ -37,7 +37,6 @@ struct WeightCast {
   };
   Key key;
   fp8::QuantizedTensor q;  ///< FP8: [out, in] row-wise and [in, out] transposed (for dgrad)
-  Tensor scale;            ///< FP8 per-tensor recipes: the scale used, f32[1]
   Tensor dense;            ///< high precision: [out, in] in the compute dtype (f32: the master)
   /// The bias rounded to bf16, for bf16 outputs: cuBLASLt fuses a bias into a bf16-output GEMM
   /// (FP8 ones included) only when the bias is bf16 too; otherwise a second pass over the output
@@ -54,10 +53,11 @@ class Linear {
   struct Snapshot {
     bool fp8 = false;
     fp8::Recipe recipe;  ///< fp8 only
-    /// Per-tensor FP8 recipes: f32[2] on the layer's device, the scales used for input and
-    /// weight (a copy, so later updates do not reach it). Undefined for block/MXFP8 (their
-    /// scales come from the data) and for high precision.
-    Tensor scales;
+    /// Per-tensor FP8 recipes: f32[1] on the layer's device, the input scale of the forward.
+    /// Delayed scaling: the FP8 state's own scale, which later updates do not overwrite (they
+    /// move the state to fresh storage); current scaling: computed from the input. Undefined for
+    /// block/MXFP8 (their scales come from the data) and for high precision.
+    Tensor input_scale;
     std::shared_ptr<const WeightCast> weight;
   };
 

@@ -14,12 +14,19 @@ struct ScalingGroup {
   Tensor scale;         ///< [n]
   Tensor scale_inv;     ///< [n]
   float fp8_max = 0;    ///< of the group's FP8 format
+  /// Optional [n]: receives the new scales while `scale` is only read (copy-on-write: whoever
+  /// still holds the old scale, such as a Linear's snapshot for recompute, keeps its values).
+  /// Undefined: `scale` is updated in place.
+  Tensor next_scale;
+  /// Optional [n]: receives history row 0 (the amaxes of the pass) before the roll.
+  Tensor last_amax;
 };
 
 /// Delayed-scaling update of `count` groups, all on one device (one launch on CUDA):
 ///   amax  = max over the history (or row 0 for most_recent)
 ///   scale = (fp8_max / amax) / 2^margin, kept when amax is 0, inf or NaN; inf clamps to FLT_MAX
 ///   scale_inv = 1 / scale; then the history rolls down one row and row 0 becomes zero.
+/// The new scale goes to next_scale when that is defined; row 0 is copied to last_amax first.
 void update_delayed_scaling(const ScalingGroup* groups, int count, int margin,
                             fp8::AmaxAlgo algo);
 

@@ -41,15 +41,18 @@ void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, f
   for (int g = 0; g < count; ++g) {
     const ScalingGroup& group = groups[g];
     float* history = group.amax_history.data<float>();
-    float* scale = group.scale.data<float>();
+    const float* scale = group.scale.data<float>();
+    float* next_scale = (group.next_scale.defined() ? group.next_scale : group.scale).data<float>();
     float* scale_inv = group.scale_inv.data<float>();
     const int64_t len = group.amax_history.size(0);
     const int64_t n = group.amax_history.size(1);
+    if (group.last_amax.defined())
+      std::memcpy(group.last_amax.data<float>(), history, static_cast<size_t>(n) * sizeof(float));
     for (int64_t j = 0; j < n; ++j) {
       const float amax = history_amax(history, len, n, j, algo);
       float s = scale[j];
       if (usable_amax(amax)) s = clamp_infinite(group.fp8_max / amax * margin_factor);
-      scale[j] = s;
+      next_scale[j] = s;
       scale_inv[j] = 1.0f / s;
     }
     // Roll down one row (the oldest row drops off) and open a fresh row 0 for the next pass.

@@ -20,7 +20,7 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 /// Groups per launch of the update kernel; more are split into several launches. 256 group
-/// descriptors (48 B each) are 12 KiB of kernel parameters, within the 32764 B that CUDA 12.1+
+/// descriptors (64 B each) are 16 KiB of kernel parameters, within the 32764 B that CUDA 12.1+
 /// allows on sm_70+.
 constexpr int kMaxGroupsPerLaunch = 256;
 /// One CTA per group; each warp owns columns j = warp, warp + 4, ... of the group's history.
@@ -36,9 +36,11 @@ constexpr uint32_t kExponentMask = 0x7F800000u;
 
 /// One group of update_delayed_scaling, as raw pointers.
 struct DelayedGroup {
-  float* history;    ///< [len, n]
-  float* scale;      ///< [n]
-  float* scale_inv;  ///< [n]
+  float* history;     ///< [len, n]
+  const float* scale;  ///< [n], the current scales
+  float* next_scale;   ///< [n], the new scales (may be `scale`)
+  float* scale_inv;    ///< [n]
+  float* last_amax;    ///< [n] or nullptr: row 0 before the roll
   int64_t len, n;
   float fp8_max;
 };
@@ -86,7 +88,8 @@ __global__ void __launch_bounds__(kUpdateThreads)
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   for (int64_t j = warp; j < g.n; j += kUpdateWarps) {
     float* column = g.history + j;  // row i at column[i * n]
-    float amax = column[0];
+    const float row0 = column[0];
+    float amax = row0;
     if (!most_recent) {
       float m = -INFINITY;
       for (int64_t i = lane; i < g.len; i += kWarpSize) m = nan_max(m, column[i * g.n]);
@@ -98,8 +101,9 @@ __global__ void __launch_bounds__(kUpdateThreads)
     if (lane == 0) {
       float s = g.scale[j];
       if (usable_amax(amax)) s = clamp_infinite(g.fp8_max / amax * margin_factor);
-      g.scale[j] = s;
+      g.next_scale[j] = s;
       g.scale_inv[j] = 1.0f / s;
+      if (g.last_amax != nullptr) g.last_amax[j] = row0;
     }
     // Roll: row i takes row i - 1, bottom-up in steps of kRollRows rows. A step reads rows
     // [base - 1, base + kRollRows - 1) and writes [base, base + kRollRows): the __syncwarp()
@@ -153,12 +157,16 @@ void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, f
     scaling::DelayedBatch batch{};
     for (int k = 0; k < batch_count; ++k) {
       const ScalingGroup& group = groups[first + k];
-      batch.groups[k] = {static_cast<float*>(group.amax_history.raw_data()),
-                         static_cast<float*>(group.scale.raw_data()),
-                         static_cast<float*>(group.scale_inv.raw_data()),
-                         group.amax_history.size(0),
-                         group.amax_history.size(1),
-                         group.fp8_max};
+      const Tensor& next_scale = group.next_scale.defined() ? group.next_scale : group.scale;
+      batch.groups[k] = {
+          static_cast<float*>(group.amax_history.raw_data()),
+          static_cast<const float*>(group.scale.raw_data()),
+          static_cast<float*>(next_scale.raw_data()),
+          static_cast<float*>(group.scale_inv.raw_data()),
+          group.last_amax.defined() ? static_cast<float*>(group.last_amax.raw_data()) : nullptr,
+          group.amax_history.size(0),
+          group.amax_history.size(1),
+          group.fp8_max};
     }
     scaling::update_delayed_scaling_kernel<<<batch_count, scaling::kUpdateThreads, 0, stream>>>(
         batch, margin_factor, algo == fp8::AmaxAlgo::most_recent);
