@@ -199,7 +199,7 @@ Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
   return out;
 }
 
-std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, Saved& saved,
+std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype, Saved& saved,
                                                       ForwardMode mode) {
   if (mode == ForwardMode::inference) return std::nullopt;
   const Fp8Context* fp8_context = active_fp8();
@@ -213,6 +213,8 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, Saved& saved
       rows, in_, recipe.dtype_for(TensorRole::input), recipe.mode_for(TensorRole::input),
       fp8::Usage{.rowwise = true, .columnwise = true}, device_);
   out.input_prefilled = true;
+  out.input_shape = {rows, in_};
+  out.input_dtype = dtype;
   saved = std::move(out);
   ops::FusedQuantize fused;
   fused.out = &saved.input_q;
@@ -222,19 +224,27 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, Saved& saved
 }
 
 Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
-  check_activation(x, in_, "input");
+  if (x.defined()) {
+    check_activation(x, in_, "input");
+    OCTET_CHECK(!saved.input_prefilled ||
+                    (saved.input_q.rows == x.numel() / in_ && saved.input_dtype == x.dtype()),
+                "Linear::forward: the fused input holds ", saved.input_q.rows, " rows of ",
+                dtype_name(saved.input_dtype), " but x is ", x.describe(),
+                " (fused_input was called for another input)");
+  } else {
+    OCTET_CHECK(saved.input_prefilled,
+                "Linear::forward: x is undefined, which needs a fused input (fused_input)");
+  }
   Saved out = saved.input_prefilled ? std::move(saved) : start_record(saved, mode);
-  out.input_shape = x.shape();
-  out.input_dtype = x.dtype();
-
-  Shape y_shape = x.shape();
+  if (x.defined()) {
+    out.input_shape = x.shape();
+    out.input_dtype = x.dtype();
+  }
+  Shape y_shape = out.input_shape;
   y_shape.back() = out_;
-  Tensor y = Tensor::empty(y_shape, x.dtype(), device_);
-  const Tensor x2 = x.view({-1, in_});
+  Tensor y = Tensor::empty(y_shape, out.input_dtype, device_);
+  const Tensor x2 = x.defined() ? x.view({-1, in_}) : Tensor();
   const Tensor y2 = y.view({-1, out_});
-  OCTET_CHECK(!out.input_prefilled || out.input_q.rows == x2.rows(),
-              "Linear::forward: the fused input holds ", out.input_q.rows, " rows but x has ",
-              x2.rows(), " (fused_input was called with another row count)");
   if (out.snapshot.fp8) {
     forward_fp8(x2, y2, mode, out);
   } else {
@@ -262,6 +272,7 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
       current_scale(x, recipe, TensorRole::input, input_scale);
   }
   if (!saved.input_prefilled) {
+    OCTET_CHECK(x.defined(), "Linear::forward: no input and no fused input");
     saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
                                  record ? state_->amax_slot(TensorRole::input) : Tensor(),
                                  /*rowwise_only=*/mode == ForwardMode::inference);
@@ -326,7 +337,44 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
       quantize_for(dy, recipe, TensorRole::grad_output, scale,
                    state_->amax_slot(TensorRole::grad_output), /*rowwise_only=*/false, grad_bias_);
   state_->mark_recorded(Pass::backward);
+  backward_gemms_fp8(dy_q, dx, saved);
+}
 
+std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const Saved& saved,
+                                                            fp8::QuantizedTensor& dy_q) {
+  const Snapshot& snap = saved.snapshot;
+  if (!snap.fp8 || snap.recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
+  OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
+              "Linear::fused_grad_output: the FP8 state of the forward's recipe ",
+              snap.recipe.name(), " is gone");
+  dy_q = fp8::QuantizedTensor::allocate(
+      rows, out_, snap.recipe.dtype_for(TensorRole::grad_output),
+      snap.recipe.mode_for(TensorRole::grad_output),
+      fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+  ops::FusedQuantize fused;
+  fused.out = &dy_q;
+  fused.args.scale = state_->scale(TensorRole::grad_output);
+  fused.args.amax = state_->amax_slot(TensorRole::grad_output);
+  fused.args.column_sums = grad_bias_;
+  state_->mark_recorded(Pass::backward);
+  return fused;
+}
+
+Tensor Linear::backward(const fp8::QuantizedTensor& dy_q, const Saved& saved) {
+  OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr && saved.snapshot.fp8,
+              "Linear::backward(dy_q) needs the Saved of an FP8 forward");
+  const int64_t rows = shape_numel(saved.input_shape) / in_;
+  OCTET_CHECK(dy_q.rows == rows && dy_q.cols == out_ && dy_q.has_rowwise() &&
+                  dy_q.has_columnwise(),
+              "Linear::backward expects the fused grad_output [", rows, ", ", out_,
+              "] with both copies (fused_grad_output), got [", dy_q.rows, ", ", dy_q.cols, "]");
+  Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
+  backward_gemms_fp8(dy_q, dx.view({-1, in_}), saved);
+  return dx;
+}
+
+void Linear::backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& dx,
+                                const Saved& saved) {
   ops::GemmArgs dgrad;
   dgrad.accumulation = ops::Accumulation::split;
   // TN: dy [rows, out] times (W^T [in, out])^T.

@@ -142,10 +142,16 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
                     const LinearObserver* observer) {
   saved.hidden = fc1_.forward(x, saved.fc1, mode);
   after_linear(observer, mode, LinearSlot::fc1, x, saved.fc1);
-  Shape act_shape = saved.hidden.shape();
-  act_shape.back() = fc2_.in_features();
-  Tensor act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
-  const auto fused = fc2_.fused_input(saved.hidden.rows(), saved.fc2, mode);
+  const auto fused = fc2_.fused_input(saved.hidden.rows(), saved.hidden.dtype(), saved.fc2, mode);
+  // With fc2's input cast fused, the activation's high-precision output is needed only by an
+  // observer (the FP8 statistics); otherwise it is never written.
+  const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
+  Tensor act;
+  if (!fused || observed) {
+    Shape act_shape = saved.hidden.shape();
+    act_shape.back() = fc2_.in_features();
+    act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
+  }
   ops::activation_forward(activation_, saved.hidden, act, fused ? &*fused : nullptr);
   Tensor y = fc2_.forward(act, saved.fc2, mode);
   after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
@@ -155,6 +161,12 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
 Tensor MLP::backward(const Tensor& dy, const Saved& saved) {
   OCTET_CHECK(saved.hidden.defined(), "MLP::backward needs the Saved of a forward");
   const Tensor dact = fc2_.backward(dy, saved.fc2);
+  // The activation's backward writes fc1's FP8 grad_output (and its bias gradient) directly.
+  fp8::QuantizedTensor dhidden_q;
+  if (const auto fused = fc1_.fused_grad_output(saved.hidden.rows(), saved.fc1, dhidden_q)) {
+    ops::activation_backward(activation_, dact, saved.hidden, Tensor(), &*fused);
+    return fc1_.backward(dhidden_q, saved.fc1);
+  }
   Tensor dhidden = empty_like(saved.hidden);
   ops::activation_backward(activation_, dact, saved.hidden, dhidden);
   return fc1_.backward(dhidden, saved.fc1);
@@ -193,12 +205,12 @@ const Linear& TransformerBlock::linear(LinearSlot slot) const {
 Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode mode,
                                       const LinearObserver* observer) {
   // The norms write the FP8 inputs of qkv and fc1 in the same kernel when those can take them.
-  const auto fused_qkv = attn_.qkv().fused_input(x.rows(), saved.attn.qkv, mode);
+  const auto fused_qkv = attn_.qkv().fused_input(x.rows(), x.dtype(), saved.attn.qkv, mode);
   const Tensor h1 = norm1_.forward(x, saved.norm1, fused_qkv ? &*fused_qkv : nullptr);
   const Tensor a = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer);
   saved.residual = empty_like(x);
   ops::add(x, a, saved.residual);
-  const auto fused_fc1 = mlp_.fc1().fused_input(x.rows(), saved.mlp.fc1, mode);
+  const auto fused_fc1 = mlp_.fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode);
   const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr);
   const Tensor m = mlp_.forward(h2, saved.mlp, mode, observer);
   Tensor y = empty_like(x);

@@ -2,8 +2,10 @@
 // and what was received), then runs the backend of the tensors' device through dispatch().
 #include "octet/ops/activation.h"
 
+#include "octet/ops/reduce.h"
 #include "ops/activation_backend.h"
 #include "ops/dispatch.h"
+#include "ops/quantize_backend.h"
 
 namespace octet::ops {
 namespace {
@@ -19,6 +21,20 @@ void check_input_shape(Activation act, const Tensor& in, const Tensor& out, cons
   OCTET_CHECK(in.shape() == expected, op, ": shape mismatch: ", activation_name(act), " with ",
               out_name, " ", shape_str(out.shape()), " expects ", in_name, " ", shape_str(expected),
               ", got ", in.describe());
+}
+
+/// The output to compute into when the caller passed none (a fused cast without the
+/// high-precision output): a temporary of the output's shape, or `out` itself.
+Tensor output_or_temporary(const Tensor& out, const Shape& shape, const Tensor& like) {
+  return out.defined() ? out : Tensor::empty(shape, like.dtype(), like.device());
+}
+
+/// Validates a fused FP8 output for a [rows, cols] output of the op whose input is x.
+void check_fused(const char* op, const FusedQuantize& fused, int64_t rows, int64_t cols,
+                 const Tensor& x) {
+  OCTET_CHECK(fused.out != nullptr, op,
+              ": fused.out is null; expected the QuantizedTensor to write the FP8 output into");
+  check_quantize_target(op, rows, cols, *fused.out, fused.args, x);
 }
 
 }  // namespace
@@ -43,33 +59,78 @@ void activation_forward(Activation act, const Tensor& x, const Tensor& y,
                         const FusedQuantize* fused) {
   constexpr const char* op = "activation_forward";
   check_float_activation(x, op, "x");
-  check_float_activation(y, op, "y");
-  OCTET_CHECK(y.dtype() == x.dtype(), op, ": dtype mismatch: y must have the dtype of x (",
-              x.describe(), "), got ", y.describe());
-  check_input_shape(act, x, y, op, "x", "y");
-  const Device device = common_device({&x, &y}, op);
-  const FusedPlan plan(fused, y, device, op);
+  OCTET_CHECK(y.defined() || fused != nullptr, op,
+              ": y may be undefined only with a fused FP8 output, got neither");
+  Shape y_shape = x.shape();
+  if (y.defined()) {
+    check_float_activation(y, op, "y");
+    OCTET_CHECK(y.dtype() == x.dtype(), op, ": dtype mismatch: y must have the dtype of x (",
+                x.describe(), "), got ", y.describe());
+    check_input_shape(act, x, y, op, "x", "y");
+    y_shape = y.shape();
+  } else {
+    OCTET_CHECK(act != Activation::swiglu || x.size(-1) % 2 == 0, op,
+                ": swiglu needs an even number of input columns, got ", x.describe());
+    y_shape.back() = act == Activation::swiglu ? x.size(-1) / 2 : x.size(-1);
+  }
+  const Device device = y.defined() ? common_device({&x, &y}, op) : x.device();
+  if (fused != nullptr) check_fused(op, *fused, x.rows(), y_shape.back(), x);
+  if (fused != nullptr && device.is_cuda()) {
+    bool sums_done = false;
+    dispatch(
+        device, op, [] {},
+        [&] {
+          OCTET_CUDA_ONLY(sums_done = cuda::activation_forward_quantized(act, x, y, *fused->out,
+                                                                         fused->args));
+        });
+    if (fused->args.column_sums.defined() && !sums_done) {
+      const Tensor out = output_or_temporary(y, y_shape, x);
+      if (!y.defined()) activation_forward(act, x, out);
+      sum_rows(out, fused->args.column_sums, /*accumulate=*/true);
+    }
+    return;
+  }
+  const Tensor out = output_or_temporary(y, y_shape, x);
   dispatch(
-      device, op, [&] { cpu::activation_forward(act, x, y); },
-      [&] { OCTET_CUDA_ONLY(cuda::activation_forward(act, x, y, plan.kernel_cast())); });
-  plan.finish(y);
+      device, op, [&] { cpu::activation_forward(act, x, out); },
+      [&] { OCTET_CUDA_ONLY(cuda::activation_forward(act, x, out)); });
+  if (fused != nullptr) quantize(out, *fused->out, fused->args);
 }
 
 void activation_backward(Activation act, const Tensor& dy, const Tensor& x, const Tensor& dx,
                          const FusedQuantize* fused) {
   constexpr const char* op = "activation_backward";
   check_float_activation(x, op, "x");
-  check_like(dx, x, op, "dx", "x");
+  OCTET_CHECK(dx.defined() || fused != nullptr, op,
+              ": dx may be undefined only with a fused FP8 output, got neither");
+  if (dx.defined()) check_like(dx, x, op, "dx", "x");
   check_float_activation(dy, op, "dy");
   OCTET_CHECK(dy.dtype() == x.dtype(), op, ": dtype mismatch: dy must have the dtype of x (",
               x.describe(), "), got ", dy.describe());
   check_input_shape(act, x, dy, op, "x", "dy");
-  const Device device = common_device({&dy, &x, &dx}, op);
-  const FusedPlan plan(fused, dx, device, op);
+  const Device device = dx.defined() ? common_device({&dy, &x, &dx}, op)
+                                     : common_device({&dy, &x}, op);
+  if (fused != nullptr) check_fused(op, *fused, x.rows(), x.cols(), x);
+  if (fused != nullptr && device.is_cuda()) {
+    bool sums_done = false;
+    dispatch(
+        device, op, [] {},
+        [&] {
+          OCTET_CUDA_ONLY(sums_done = cuda::activation_backward_quantized(act, dy, x, dx,
+                                                                          *fused->out, fused->args));
+        });
+    if (fused->args.column_sums.defined() && !sums_done) {
+      const Tensor out = output_or_temporary(dx, x.shape(), x);
+      if (!dx.defined()) activation_backward(act, dy, x, out);
+      sum_rows(out, fused->args.column_sums, /*accumulate=*/true);
+    }
+    return;
+  }
+  const Tensor out = output_or_temporary(dx, x.shape(), x);
   dispatch(
-      device, op, [&] { cpu::activation_backward(act, dy, x, dx); },
-      [&] { OCTET_CUDA_ONLY(cuda::activation_backward(act, dy, x, dx, plan.kernel_cast())); });
-  plan.finish(dx);
+      device, op, [&] { cpu::activation_backward(act, dy, x, out); },
+      [&] { OCTET_CUDA_ONLY(cuda::activation_backward(act, dy, x, out)); });
+  if (fused != nullptr) quantize(out, *fused->out, fused->args);
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {

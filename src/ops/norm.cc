@@ -6,6 +6,7 @@
 #include <cmath>
 #include <utility>
 
+#include "octet/ops/reduce.h"
 #include "ops/dispatch.h"
 #include "ops/norm_backend.h"
 
@@ -122,11 +123,13 @@ void FusedPlan::finish(const Tensor& y) const {
   }
   if (fused_->out->has_columnwise()) {
     // The kernel wrote the row-wise copy; the transposed copy needs all of y, so the quantize op
-    // writes it (sharing the per-tensor scale) and then records the amax.
+    // writes it (sharing the per-tensor scale) and then records the amax and column sums.
     QuantizedTensor columnwise = *fused_->out;
     columnwise.data = Tensor();
     columnwise.scale_inv = Tensor();
     quantize(y, columnwise, fused_->args);
+  } else if (fused_->args.column_sums.defined()) {
+    sum_rows(y, fused_->args.column_sums, /*accumulate=*/true);
   }
 }
 

@@ -1,5 +1,5 @@
-// Backend entry points of the norm family (include/octet/ops/norm.h), and the fused FP8 cast that
-// norms and activations share. The dispatcher (src/ops/norm.cc) validates arguments and opens the
+// Backend entry points of the norm family (include/octet/ops/norm.h), and the norms' fused FP8
+// cast. (Activations fuse theirs through the tile quantizer instead: activation_backend.h.) The dispatcher (src/ops/norm.cc) validates arguments and opens the
 // device guard and NVTX range; backends may assume valid, non-empty inputs on one device.
 // RMSNorm calls pass undefined tensors for beta, mean and dbeta.
 #pragma once
@@ -28,9 +28,10 @@ struct FusedCast {
 void check_like(const Tensor& t, const Tensor& like, const char* op, const char* name,
                 const char* like_name);
 
-/// How an op honours its optional FusedQuantize. The CUDA backend casts the row-wise per-tensor
+/// How a norm honours its optional FusedQuantize. The CUDA backend casts the row-wise per-tensor
 /// copy in its kernel (kernel_cast()); everything else (the CPU, block scaling modes, the
-/// transposed copy) is ops::quantize on the finished output, run by finish(). The CPU path is the
+/// transposed copy, column sums) is ops::quantize or sum_rows on the finished output, run by
+/// finish(). The CPU path is the
 /// reference the fused kernels are tested against, bit for bit.
 class FusedPlan {
  public:

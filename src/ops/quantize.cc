@@ -67,6 +67,30 @@ void check_quantized(const QuantizedTensor& q, const char* op) {
 
 }  // namespace
 
+Device check_quantize_target(const char* op, int64_t rows, int64_t cols, const QuantizedTensor& out,
+                             const QuantizeArgs& args, const Tensor& source) {
+  OCTET_CHECK(out.rows == rows && out.cols == cols, op, ": shape mismatch: the FP8 output is ",
+              "allocated for a [", out.rows, ", ", out.cols, "] matrix, expected [", rows, ", ",
+              cols, "]");
+  check_quantized(out, op);
+  if (out.mode == ScalingMode::per_tensor) {
+    OCTET_CHECK(args.scale.defined(), op, ": per_tensor scaling needs args.scale (f32[1]), ",
+                "received an undefined tensor");
+    check_f32_scalar(args.scale, op, "args.scale", 1);
+    OCTET_CHECK(args.scale.numel() == 1, op, ": shape mismatch: args.scale expected f32[1], ",
+                "received ", args.scale.describe());
+  }
+  if (args.amax.defined()) check_f32_scalar(args.amax, op, "args.amax", 1);
+  if (args.column_sums.defined()) {
+    check_buffer(args.column_sums, op, "args.column_sums", {cols}, DType::f32);
+  }
+  return common_device({&source, if_defined(out.data), if_defined(out.scale_inv),
+                        if_defined(out.data_t), if_defined(out.scale_inv_t),
+                        if_defined(args.scale), if_defined(args.amax),
+                        if_defined(args.column_sums)},
+                       op);
+}
+
 void amax(const Tensor& x, const Tensor& amax_out) {
   check_high_precision(x, "amax", "x");
   check_non_empty(x, "amax", "x");
@@ -85,23 +109,7 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
   OCTET_CHECK(out.rows == rows && out.cols == cols, "quantize: shape mismatch: out is allocated ",
               "for a [", out.rows, ", ", out.cols, "] matrix, but x is ", x.describe(), " ([", rows,
               ", ", cols, "] as a matrix)");
-  check_quantized(out, "quantize");
-  if (out.mode == ScalingMode::per_tensor) {
-    OCTET_CHECK(args.scale.defined(), "quantize: per_tensor scaling needs args.scale (f32[1]), ",
-                "received an undefined tensor");
-    check_f32_scalar(args.scale, "quantize", "args.scale", 1);
-    OCTET_CHECK(args.scale.numel() == 1, "quantize: shape mismatch: args.scale expected f32[1], ",
-                "received ", args.scale.describe());
-  }
-  if (args.amax.defined()) check_f32_scalar(args.amax, "quantize", "args.amax", 1);
-  if (args.column_sums.defined()) {
-    check_buffer(args.column_sums, "quantize", "args.column_sums", {cols}, DType::f32);
-  }
-  const Device device = common_device(
-      {&x, if_defined(out.data), if_defined(out.scale_inv), if_defined(out.data_t),
-       if_defined(out.scale_inv_t), if_defined(args.scale), if_defined(args.amax),
-       if_defined(args.column_sums)},
-      "quantize");
+  const Device device = check_quantize_target("quantize", rows, cols, out, args, x);
   dispatch(
       device, "quantize", [&] { cpu::quantize(x, out, args); },
       [&] { OCTET_CUDA_ONLY(cuda::quantize(x, out, args)); });

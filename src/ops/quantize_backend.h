@@ -21,6 +21,14 @@ OCTET_HD void count_fp8_code(float x, uint8_t code, uint8_t max_code, Count* cou
   }
 }
 
+/// The checks of ops::quantize on a target: `out` allocated for a [rows, cols] matrix with valid
+/// copies, args.scale for per_tensor, args.amax and args.column_sums shaped right, and all of
+/// them on the device of `source` (the op's input), which is returned. Messages name `op`.
+/// Shared with the ops that fuse a quantize into their output (FusedQuantize).
+Device check_quantize_target(const char* op, int64_t rows, int64_t cols,
+                             const fp8::QuantizedTensor& out, const QuantizeArgs& args,
+                             const Tensor& source);
+
 }  // namespace octet::ops
 
 namespace octet::ops::cpu {

@@ -9,6 +9,7 @@
 
 #include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
+#include "octet/ops/activation.h"
 #include "octet/ops/norm.h"
 #include "test_util.h"
 
@@ -435,7 +436,7 @@ TEST_P(LinearBackendTest, FusedInputFromANormMatchesQuantizingTheNormOutput) {
     Tensor fused_y, plain_y;
     {
       Fp8Autocast scope(recipe, fused_registry);
-      const auto target = fused_layer.fused_input(kRows, fused_saved);
+      const auto target = fused_layer.fused_input(kRows, DType::bf16, fused_saved);
       ASSERT_TRUE(target.has_value());
       fused_y = fused_layer.forward(norm(&*target), fused_saved);
     }
@@ -462,12 +463,71 @@ TEST_P(LinearBackendTest, FusedInputIsDeclinedOutsideDelayedScaling) {
   OCTET_SKIP_IF_UNAVAILABLE(device);
   Linear layer(32, 16, false, device, fresh_seed(), DType::bf16);
   Linear::Saved saved;
-  EXPECT_FALSE(layer.fused_input(16, saved).has_value());  // no autocast: BF16
+  EXPECT_FALSE(layer.fused_input(16, DType::bf16, saved).has_value());  // no autocast: BF16
   AmaxRegistry registry;
   Fp8Autocast scope(Recipe::current(), registry);
-  EXPECT_FALSE(layer.fused_input(16, saved).has_value());
-  EXPECT_FALSE(layer.fused_input(16, saved, ForwardMode::inference).has_value());
+  EXPECT_FALSE(layer.fused_input(16, DType::bf16, saved).has_value());
+  EXPECT_FALSE(layer.fused_input(16, DType::bf16, saved, ForwardMode::inference).has_value());
   EXPECT_FALSE(saved.filled());
+}
+
+TEST_P(LinearBackendTest, ActivationFusedInputAndGradOutputMatchTheUnfusedLayer) {
+  // An activation on both sides of a Linear, z = gelu(W gelu(x) + b), the way an MLP chains
+  // them: the first gelu writes the Linear's FP8 input (without its BF16 output), the second
+  // one's backward writes the Linear's FP8 grad_output and bias gradient. Everything must be
+  // bitwise the plain path's, over two steps so the second runs with updated scales.
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int64_t kRows = 160, kIn = 64, kOut = 144;  // a partial 128-row tile
+  const Recipe recipe = Recipe::delayed();
+  const ops::Activation gelu = ops::Activation::gelu;
+  Linear fused_layer(kIn, kOut, true, device, seed, DType::bf16);
+  Linear plain_layer(kIn, kOut, true, device, seed, DType::bf16);
+  AmaxRegistry fused_registry, plain_registry;
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const Tensor x =
+        testing::random_tensor({kRows, kIn}, DType::bf16, seed + 3 + step, 3.0f).to(device);
+    const Tensor dz =
+        testing::random_tensor({kRows, kOut}, DType::bf16, seed + 5 + step).to(device);
+    Linear::Saved fused_saved, plain_saved;
+    Tensor fused_y, plain_y;
+    {
+      Fp8Autocast scope(recipe, fused_registry);
+      const auto target = fused_layer.fused_input(kRows, DType::bf16, fused_saved);
+      ASSERT_TRUE(target.has_value());
+      ops::activation_forward(gelu, x, Tensor(), &*target);
+      fused_y = fused_layer.forward(Tensor(), fused_saved);
+    }
+    {
+      Fp8Autocast scope(recipe, plain_registry);
+      Tensor a = Tensor::empty({kRows, kIn}, DType::bf16, device);
+      ops::activation_forward(gelu, x, a);
+      plain_y = plain_layer.forward(a, plain_saved);
+    }
+    ASSERT_TRUE(testing::bitwise_equal(plain_y, fused_y));
+
+    fp8::QuantizedTensor dy_q;
+    const auto fused_dy = fused_layer.fused_grad_output(kRows, fused_saved, dy_q);
+    ASSERT_TRUE(fused_dy.has_value());
+    ops::activation_backward(gelu, dz, fused_y, Tensor(), &*fused_dy);
+    const Tensor fused_dx = fused_layer.backward(dy_q, fused_saved);
+    Tensor dy = Tensor::empty({kRows, kOut}, DType::bf16, device);
+    ops::activation_backward(gelu, dz, plain_y, dy);
+    const Tensor plain_dx = plain_layer.backward(dy, plain_saved);
+    fused_registry.finalize_backward();
+    plain_registry.finalize_backward();
+
+    EXPECT_TRUE(testing::bitwise_equal(plain_dx, fused_dx));
+    EXPECT_TRUE(testing::bitwise_equal(plain_layer.grad_weight(), fused_layer.grad_weight()));
+    EXPECT_TRUE(testing::bitwise_equal(plain_layer.grad_bias(), fused_layer.grad_bias()));
+    const auto fused_state = testing::state_tensors(*fused_layer.fp8_state());
+    const auto plain_state = testing::state_tensors(*plain_layer.fp8_state());
+    for (size_t i = 0; i < plain_state.size(); ++i)
+      EXPECT_TRUE(testing::bitwise_equal(plain_state[i], fused_state[i])) << "state tensor " << i;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, LinearBackendTest, ::testing::ValuesIn(testing::all_backends()),

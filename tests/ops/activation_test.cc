@@ -193,13 +193,15 @@ TEST_P(ActivationParity, FusedCastMatchesUnfused) {
   for (const testing::FusedCase& c : testing::fused_cases()) {
     SCOPED_TRACE("forward");
     testing::expect_fused_matches_unfused(
-        p.backend, y, [&](const FusedQuantize* f) { ops::activation_forward(p.act, x, y, f); }, c);
+        p.backend, y, [&](const FusedQuantize* f) { ops::activation_forward(p.act, x, y, f); }, c,
+        [&](const FusedQuantize* f) { ops::activation_forward(p.act, x, Tensor(), f); });
   }
   for (const testing::FusedCase& c : testing::fused_cases()) {
     SCOPED_TRACE("backward");
     testing::expect_fused_matches_unfused(
         p.backend, dx,
-        [&](const FusedQuantize* f) { ops::activation_backward(p.act, dy, x, dx, f); }, c);
+        [&](const FusedQuantize* f) { ops::activation_backward(p.act, dy, x, dx, f); }, c,
+        [&](const FusedQuantize* f) { ops::activation_backward(p.act, dy, x, Tensor(), f); });
   }
 }
 

@@ -22,6 +22,7 @@
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/ops/norm.h"
 #include "octet/ops/quantize.h"
+#include "octet/ops/reduce.h"
 #include "test_util.h"
 
 namespace octet::testing {
@@ -163,21 +164,26 @@ struct FusedCase {
   fp8::Usage usage;
 };
 
-/// Every path of the fused cast: the per-tensor row-wise cast in the kernel (with the amax), the
-/// same plus the transposed copy (amax recorded after it), and a block mode, which the op hands
-/// to ops::quantize.
+/// Every path of the fused cast: the per-tensor row-wise cast in a norm kernel (with the amax),
+/// the same plus the transposed copy (amax recorded after it), and block modes with one or both
+/// copies, which norms hand to ops::quantize and activations write from their tiles.
 inline std::vector<FusedCase> fused_cases() {
   return {{fp8::ScalingMode::per_tensor, DType::e4m3, {true, false}},
           {fp8::ScalingMode::per_tensor, DType::e5m2, {true, true}},
-          {fp8::ScalingMode::block_1x128, DType::e4m3, {true, true}}};
+          {fp8::ScalingMode::block_1x128, DType::e4m3, {true, true}},
+          {fp8::ScalingMode::block_128x128, DType::e5m2, {false, true}},
+          {fp8::ScalingMode::mxfp8_1x32, DType::e4m3, {true, true}}};
 }
 
 /// Runs `run` (the op writing `out` on `device`) unfused followed by ops::quantize(out), then
-/// fused, and expects the outputs, the FP8 copies, their scales and the amax to be bitwise
-/// equal. The per-tensor scale makes the largest values saturate.
-inline void expect_fused_matches_unfused(const Device& device, const Tensor& out,
-                                         const std::function<void(const ops::FusedQuantize*)>& run,
-                                         const FusedCase& c) {
+/// fused, and expects the outputs, the FP8 copies, their scales, the amax and the column sums
+/// (args.column_sums, vs sum_rows(out)) to be bitwise equal. The per-tensor scale makes the
+/// largest values saturate. `run_fp8_only`, when given, runs the op fused without its
+/// high-precision output, which must give the same FP8 results.
+inline void expect_fused_matches_unfused(
+    const Device& device, const Tensor& out,
+    const std::function<void(const ops::FusedQuantize*)>& run, const FusedCase& c,
+    const std::function<void(const ops::FusedQuantize*)>& run_fp8_only = {}) {
   SCOPED_TRACE(::testing::Message() << "fused cast " << fp8::scaling_mode_name(c.mode) << " "
                                     << dtype_name(c.fp8) << (c.usage.columnwise ? " +data_t" : ""));
   /// The scale maps this fraction of max|out| to the FP8 maximum, so the top values saturate.
@@ -200,22 +206,33 @@ inline void expect_fused_matches_unfused(const Device& device, const Tensor& out
   const Tensor expected_amax = on(Tensor::from_vector({kAmaxBefore}, {1}), device);
   ops::quantize(unfused, expected, ops::QuantizeArgs{scale, expected_amax});
 
-  fp8::QuantizedTensor actual = fresh();
-  const Tensor actual_amax = on(Tensor::from_vector({kAmaxBefore}, {1}), device);
-  const ops::FusedQuantize fused{&actual, ops::QuantizeArgs{scale, actual_amax}};
-  run(&fused);
+  const Tensor expected_sums = Tensor::zeros({cols}, DType::f32, device);
+  ops::sum_rows(unfused, expected_sums, /*accumulate=*/true);
 
+  const auto check = [&](const std::function<void(const ops::FusedQuantize*)>& fused_run,
+                         const char* what) {
+    SCOPED_TRACE(what);
+    fp8::QuantizedTensor actual = fresh();
+    const Tensor actual_amax = on(Tensor::from_vector({kAmaxBefore}, {1}), device);
+    ops::QuantizeArgs args{scale, actual_amax};
+    args.column_sums = Tensor::zeros({cols}, DType::f32, device);
+    const ops::FusedQuantize fused{&actual, args};
+    fused_run(&fused);
+    if (c.usage.rowwise) {
+      EXPECT_TRUE(bitwise_equal(expected.data, actual.data)) << "data";
+      EXPECT_TRUE(bitwise_equal(expected.scale_inv, actual.scale_inv)) << "scale_inv";
+    }
+    if (c.usage.columnwise) {
+      EXPECT_TRUE(bitwise_equal(expected.data_t, actual.data_t)) << "data_t";
+      EXPECT_TRUE(bitwise_equal(expected.scale_inv_t, actual.scale_inv_t)) << "scale_inv_t";
+    }
+    EXPECT_TRUE(bitwise_equal(expected_amax, actual_amax)) << "amax";
+    EXPECT_GT(to_floats(actual_amax)[0], kAmaxBefore) << "amax was not raised";
+    EXPECT_TRUE(bitwise_equal(expected_sums, args.column_sums)) << "column sums";
+  };
+  check(run, "with the op's output");
   EXPECT_TRUE(bitwise_equal(unfused, out)) << "the op's own output";
-  if (c.usage.rowwise) {
-    EXPECT_TRUE(bitwise_equal(expected.data, actual.data)) << "data";
-    EXPECT_TRUE(bitwise_equal(expected.scale_inv, actual.scale_inv)) << "scale_inv";
-  }
-  if (c.usage.columnwise) {
-    EXPECT_TRUE(bitwise_equal(expected.data_t, actual.data_t)) << "data_t";
-    EXPECT_TRUE(bitwise_equal(expected.scale_inv_t, actual.scale_inv_t)) << "scale_inv_t";
-  }
-  EXPECT_TRUE(bitwise_equal(expected_amax, actual_amax)) << "amax";
-  EXPECT_GT(to_floats(actual_amax)[0], kAmaxBefore) << "amax was not raised";
+  if (run_fp8_only) check(run_fp8_only, "FP8 output only");
 }
 
 /// Expects `run` to throw octet::Error with every one of `parts` in its message.

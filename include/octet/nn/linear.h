@@ -102,17 +102,30 @@ class Linear {
   Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal);
   /// Fusing the input's FP8 cast into the op that produces the input (a norm, an activation):
   /// under per-tensor delayed scaling the input's scale is known before the input exists, so
-  ///   auto fused = linear.fused_input(rows, saved, mode);   // starts the record in `saved`
-  ///   producer(..., fused ? &*fused : nullptr);             // also writes saved.input_q
-  ///   y = linear.forward(x, saved, mode);                   // uses that copy
-  /// quantizes exactly as forward() would, without reading x again. Returns nullopt (and leaves
-  /// `saved` alone) when this forward cannot take a fused input: not FP8, another recipe, or
-  /// inference. The returned target points into `saved`: do not move `saved` until forward().
-  std::optional<ops::FusedQuantize> fused_input(int64_t rows, Saved& saved,
+  ///   auto fused = linear.fused_input(rows, dtype, saved, mode);  // starts the record
+  ///   producer(..., fused ? &*fused : nullptr);                   // also writes saved.input_q
+  ///   y = linear.forward(x, saved, mode);                         // uses that copy
+  /// quantizes exactly as forward() would, without reading x again; x (rows x in, `dtype`) may
+  /// then be undefined when nothing else needs it. Returns nullopt (and leaves `saved` alone)
+  /// when this forward cannot take a fused input: not FP8, another recipe, or inference. The
+  /// returned target points into `saved`: do not move `saved` until forward().
+  std::optional<ops::FusedQuantize> fused_input(int64_t rows, DType dtype, Saved& saved,
                                                 ForwardMode mode = ForwardMode::normal);
   /// dx (x's shape and dtype) from dy [..., out] (f32 or bf16); accumulates grad_weight += dy^T x
   /// and grad_bias += sum over rows of dy, in FP32 with a fixed reduction order.
   Tensor backward(const Tensor& dy, const Saved& saved);
+  /// Fusing grad_output's FP8 cast (and the bias gradient) into the op that produces dy (an
+  /// activation's backward), under per-tensor delayed scaling:
+  ///   fp8::QuantizedTensor dy_q;
+  ///   auto fused = linear.fused_grad_output(rows, saved, dy_q);
+  ///   producer_backward(..., fused ? &*fused : nullptr);  // writes dy_q, adds to grad_bias
+  ///   dx = fused ? linear.backward(dy_q, saved) : linear.backward(dy, saved);
+  /// gives bitwise what backward(dy) gives. nullopt when the record's recipe cannot take it.
+  std::optional<ops::FusedQuantize> fused_grad_output(int64_t rows, const Saved& saved,
+                                                      fp8::QuantizedTensor& dy_q);
+  /// backward() with grad_output already quantized (and its bias gradient added) through
+  /// fused_grad_output.
+  Tensor backward(const fp8::QuantizedTensor& dy_q, const Saved& saved);
 
   /// Sets grad_weight and grad_bias to zero.
   void zero_grad();
@@ -156,6 +169,8 @@ class Linear {
   void forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved);
   void forward_dense(const Tensor& x, const Tensor& y, Saved& saved);
   void backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved);
+  /// dgrad into dx and wgrad into grad_weight from the quantized grad_output.
+  void backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& dx, const Saved& saved);
   void backward_dense(const Tensor& dy, const Tensor& dx, const Saved& saved);
 
   int64_t in_ = 0;

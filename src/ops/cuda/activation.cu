@@ -1,6 +1,9 @@
 // CUDA activations (GELU tanh, SwiGLU, SReLU) forward and backward, and the residual add:
-// grid-stride elementwise kernels over 16-byte packs when the sizes and pointers allow, the scalar
-// formulas of activation_math.h, the fused FP8 cast of the output in the pass that stores it.
+// grid-stride elementwise kernels over 16-byte packs when the sizes and pointers allow, and the
+// scalar formulas of activation_math.h. With a fused FP8 cast, the activation computes its output
+// straight into the tiles of the tile quantizer (quantize_tile.cuh), which writes both FP8 copies
+// (and a bias gradient's column sums) in the same pass; the high-precision output is then
+// optional.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,6 +15,7 @@
 #include "ops/activation_backend.h"
 #include "ops/activation_math.h"
 #include "ops/cuda/fused_cast.cuh"
+#include "ops/cuda/quantize_tile.cuh"
 
 namespace octet::ops::cuda {
 namespace {
@@ -36,10 +40,8 @@ __device__ __forceinline__ int64_t grid_stride() {
 /// y = act(x) over `packs` packs of kN output elements. swiglu: x is [rows, 2f] = [gate | up],
 /// y is [rows, f] (f a multiple of kN, so a pack never straddles a row).
 template <typename T, int kN, Activation kAct>
-__global__ void activation_forward_kernel(const T* x, T* y, int64_t packs, int64_t f,
-                                          FusedCast cast) {
-  __shared__ uint32_t amax_scratch[kWarpSize];
-  CastThread ct(cast);
+__global__ void activation_forward_kernel(const T* x, T* y, int64_t packs, int64_t f) {
+  CastThread no_cast(FusedCast{});
   for (int64_t p = thread_index(); p < packs; p += grid_stride()) {
     const int64_t i = p * kN;
     float out[kN];
@@ -55,18 +57,16 @@ __global__ void activation_forward_kernel(const T* x, T* y, int64_t packs, int64
 #pragma unroll
       for (int k = 0; k < kN; ++k) out[k] = math::activate<kAct>(math::to_float(v.v[k]));
     }
-    store_output<T, kN>(y, i, out, ct);
+    store_output<T, kN>(y, i, out, no_cast);
   }
-  finish_cast(ct, amax_scratch);
 }
 
 /// dx = act'(x) * dy over `packs` packs of kN elements of dy. swiglu: dy is [rows, f], x and dx
 /// are [rows, 2f]; each pack of dy gives a pack of dgate and one of dup.
 template <typename T, int kN, Activation kAct>
-__global__ void activation_backward_kernel(const T* dy, const T* x, T* dx, int64_t packs, int64_t f,
-                                           FusedCast cast) {
-  __shared__ uint32_t amax_scratch[kWarpSize];
-  CastThread ct(cast);
+__global__ void activation_backward_kernel(const T* dy, const T* x, T* dx, int64_t packs,
+                                           int64_t f) {
+  CastThread no_cast(FusedCast{});
   for (int64_t p = thread_index(); p < packs; p += grid_stride()) {
     const int64_t i = p * kN;
     const Pack<T, kN> g = load_pack<kN>(dy + i);
@@ -81,18 +81,17 @@ __global__ void activation_backward_kernel(const T* dy, const T* x, T* dx, int64
         dgate[k] = math::swiglu_dgate(gk, gate_k, math::to_float(up.v[k]));
         dup[k] = math::swiglu_dup(gk, gate_k);
       }
-      store_output<T, kN>(dx, gi, dgate, ct);
-      store_output<T, kN>(dx, gi + f, dup, ct);
+      store_output<T, kN>(dx, gi, dgate, no_cast);
+      store_output<T, kN>(dx, gi + f, dup, no_cast);
     } else {
       const Pack<T, kN> v = load_pack<kN>(x + i);
       float out[kN];
 #pragma unroll
       for (int k = 0; k < kN; ++k)
         out[k] = math::to_float(g.v[k]) * math::activate_grad<kAct>(math::to_float(v.v[k]));
-      store_output<T, kN>(dx, i, out, ct);
+      store_output<T, kN>(dx, i, out, no_cast);
     }
   }
-  finish_cast(ct, amax_scratch);
 }
 
 /// out = a + b over `packs` packs; out may alias a or b (each element is read, then written, by
@@ -110,6 +109,150 @@ __global__ void add_kernel(const T* a, const T* b, T* out, int64_t packs) {
     store_output<T, kN>(out, i, sum, no_cast);
   }
 }
+
+/// The tile quantizer's Source for an activation: the output (forward: act(x); backward: dx) of
+/// tile cells computed from the inputs with the elementwise kernels' formulas, rounded to T as the
+/// elementwise kernels store it, and also stored to `out` when that is set. The matrix is the
+/// output, [rows, cols]; swiglu's x is [rows, 2f] = [gate | up] (forward: cols = f; backward:
+/// cols = 2f = dgate | dup, and dy is [rows, f]); otherwise x and dy are [rows, cols].
+template <typename T, Activation kAct, bool kBackward>
+struct ActivationTile {
+  const T* x;
+  const T* dy;  ///< backward only
+  T* out;       ///< optional
+  int64_t f;    ///< swiglu's gate width (else unused)
+  bool vec;     ///< every pointer 16-byte aligned, cols and f multiples of a 16-byte pack
+
+  using L = quant::TileLayout<T>;
+  static constexpr int kE = L::kChunkElems;
+
+  /// Output element (r, c) of the matrix, in f32.
+  __device__ float element(int64_t r, int64_t c, int64_t cols) const {
+    if constexpr (kAct == Activation::swiglu) {
+      const T* row = x + r * 2 * f;
+      if constexpr (!kBackward) {
+        return math::swiglu(math::to_float(row[c]), math::to_float(row[f + c]));
+      } else if (c < f) {
+        return math::swiglu_dgate(math::to_float(dy[r * f + c]), math::to_float(row[c]),
+                                  math::to_float(row[f + c]));
+      } else {
+        return math::swiglu_dup(math::to_float(dy[r * f + c - f]), math::to_float(row[c - f]));
+      }
+    } else if constexpr (!kBackward) {
+      return math::activate<kAct>(math::to_float(x[r * cols + c]));
+    } else {
+      return math::to_float(dy[r * cols + c]) *
+             math::activate_grad<kAct>(math::to_float(x[r * cols + c]));
+    }
+  }
+
+  /// The kE output elements (r, c ... c + kE - 1), all inside the matrix, by 16-byte loads (vec:
+  /// swiglu's pack then lies in one half, since f is a multiple of kE).
+  __device__ void chunk(int64_t r, int64_t c, int64_t cols, float (&v)[kE]) const {
+    if constexpr (kAct == Activation::swiglu) {
+      const T* row = x + r * 2 * f;
+      if constexpr (!kBackward) {
+        const Pack<T, kE> gate = load_pack<kE>(row + c), up = load_pack<kE>(row + f + c);
+#pragma unroll
+        for (int k = 0; k < kE; ++k)
+          v[k] = math::swiglu(math::to_float(gate.v[k]), math::to_float(up.v[k]));
+      } else if (c < f) {
+        const Pack<T, kE> g = load_pack<kE>(dy + r * f + c), gate = load_pack<kE>(row + c),
+                          up = load_pack<kE>(row + f + c);
+#pragma unroll
+        for (int k = 0; k < kE; ++k)
+          v[k] = math::swiglu_dgate(math::to_float(g.v[k]), math::to_float(gate.v[k]),
+                                    math::to_float(up.v[k]));
+      } else {
+        const Pack<T, kE> g = load_pack<kE>(dy + r * f + c - f), gate = load_pack<kE>(row + c - f);
+#pragma unroll
+        for (int k = 0; k < kE; ++k)
+          v[k] = math::swiglu_dup(math::to_float(g.v[k]), math::to_float(gate.v[k]));
+      }
+    } else {
+      const Pack<T, kE> in = load_pack<kE>(x + r * cols + c);
+      if constexpr (!kBackward) {
+#pragma unroll
+        for (int k = 0; k < kE; ++k) v[k] = math::activate<kAct>(math::to_float(in.v[k]));
+      } else {
+        const Pack<T, kE> g = load_pack<kE>(dy + r * cols + c);
+#pragma unroll
+        for (int k = 0; k < kE; ++k)
+          v[k] = math::to_float(g.v[k]) * math::activate_grad<kAct>(math::to_float(in.v[k]));
+      }
+    }
+  }
+
+  __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
+    static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
+#pragma unroll 4
+    for (int i = 0; i < quant::kTile * L::kChunksPerRow / quant::kTileThreads; ++i) {
+      const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;
+      const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
+      const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * kE;
+      Pack<T, kE> o;
+      if (vec && gr < p.rows && gc + kE <= p.cols) {
+        float v[kE];
+        chunk(gr, gc, p.cols, v);
+#pragma unroll
+        for (int k = 0; k < kE; ++k) o.v[k] = math::from_float<T>(v[k]);
+        if (out != nullptr) store_pack<kE>(out + gr * p.cols + gc, o);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+          const bool inside = gr < p.rows && gc + k < p.cols;
+          o.v[k] = inside ? math::from_float<T>(element(gr, gc + k, p.cols)) : T(0);
+          if (inside && out != nullptr) out[gr * p.cols + gc + k] = o.v[k];
+        }
+      }
+      store_pack<kE>(tile + L::chunk_offset(r, j), o);
+    }
+    __syncthreads();
+  }
+};
+
+/// Runs the tile quantizer over the activation's output; returns whether it added the column
+/// sums (see quant::quantize_tiles).
+template <bool kBackward>
+bool quantize_activation(Activation act, const Tensor& dy, const Tensor& x, const Tensor& out,
+                         int64_t rows, int64_t cols, fp8::QuantizedTensor& q,
+                         const QuantizeArgs& args) {
+  const Device& device = x.device();
+  bool sums_done = false;
+  math::visit_activation(act, [&](auto a) {
+    constexpr Activation kAct = decltype(a)::value;
+    math::visit_dtype(x.dtype(), [&](auto t) {
+      using T = decltype(t);
+      using Source = ActivationTile<T, kAct, kBackward>;
+      Source source{};
+      source.x = static_cast<const T*>(x.raw_data());
+      source.dy = kBackward ? static_cast<const T*>(dy.raw_data()) : nullptr;
+      source.out = out.defined() ? static_cast<T*>(out.raw_data()) : nullptr;
+      source.f = kAct == Activation::swiglu ? x.cols() / 2 : cols;
+      source.vec = cols % Source::kE == 0 && source.f % Source::kE == 0 &&
+                   vector_aligned({source.x, source.dy, source.out});
+      sums_done = quant::quantize_tiles<T>(rows, cols, q, args, source, device);
+    });
+  });
+  return sums_done;
+}
+
+}  // namespace
+
+bool activation_forward_quantized(Activation act, const Tensor& x, const Tensor& y,
+                                  fp8::QuantizedTensor& q, const QuantizeArgs& args) {
+  DeviceGuard guard(x.device());
+  return quantize_activation<false>(act, Tensor(), x, y, x.rows(), q.cols, q, args);
+}
+
+bool activation_backward_quantized(Activation act, const Tensor& dy, const Tensor& x,
+                                   const Tensor& dx, fp8::QuantizedTensor& q,
+                                   const QuantizeArgs& args) {
+  DeviceGuard guard(x.device());
+  return quantize_activation<true>(act, dy, x, dx, x.rows(), x.cols(), q, args);
+}
+
+namespace {
 
 // ----------------------------------------------------------------------------
 // kernel launchers
@@ -144,41 +287,39 @@ int64_t pack_unit(Activation act, const Tensor& out_shaped) {
 
 }  // namespace
 
-void activation_forward(Activation act, const Tensor& x, const Tensor& y, const FusedCast& cast) {
+void activation_forward(Activation act, const Tensor& x, const Tensor& y) {
   const Device& device = x.device();
   DeviceGuard guard(device);
   const cudaStream_t stream = octet::cuda::stream(device);
   math::visit_activation(act, [&](auto a) {
     constexpr Activation kAct = decltype(a)::value;
     visit_layout(
-        x.dtype(), pack_unit(act, y), {x.raw_data(), y.raw_data(), cast.data}, [&](auto t, auto n) {
+        x.dtype(), pack_unit(act, y), {x.raw_data(), y.raw_data()}, [&](auto t, auto n) {
           using T = decltype(t);
           constexpr int kN = decltype(n)::value;
           const int64_t packs = y.numel() / kN;
           activation_forward_kernel<T, kN, kAct><<<grid_for(device, packs), kThreads, 0, stream>>>(
-              static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), packs, y.cols(),
-              cast);
+              static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), packs, y.cols());
           OCTET_CHECK_LAUNCH();
         });
   });
 }
 
-void activation_backward(Activation act, const Tensor& dy, const Tensor& x, const Tensor& dx,
-                         const FusedCast& cast) {
+void activation_backward(Activation act, const Tensor& dy, const Tensor& x, const Tensor& dx) {
   const Device& device = x.device();
   DeviceGuard guard(device);
   const cudaStream_t stream = octet::cuda::stream(device);
   math::visit_activation(act, [&](auto a) {
     constexpr Activation kAct = decltype(a)::value;
     visit_layout(
-        x.dtype(), pack_unit(act, dy), {dy.raw_data(), x.raw_data(), dx.raw_data(), cast.data},
+        x.dtype(), pack_unit(act, dy), {dy.raw_data(), x.raw_data(), dx.raw_data()},
         [&](auto t, auto n) {
           using T = decltype(t);
           constexpr int kN = decltype(n)::value;
           const int64_t packs = dy.numel() / kN;
           activation_backward_kernel<T, kN, kAct><<<grid_for(device, packs), kThreads, 0, stream>>>(
               static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
-              static_cast<T*>(dx.raw_data()), packs, dy.cols(), cast);
+              static_cast<T*>(dx.raw_data()), packs, dy.cols());
           OCTET_CHECK_LAUNCH();
         });
   });

@@ -19,8 +19,9 @@ constexpr int kTilesPerBlock = 8;
 /// Rows whose loads a thread issues before adding them (in order): enough bytes in flight to
 /// cover DRAM latency, since each thread's sum is a sequential chain.
 constexpr int kRowsInFlight = 8;
-/// Threads per block of the second pass, one column each.
-constexpr int kSecondPassThreads = 256;
+/// Threads per block of the second pass, one column each: small blocks spread a bias's few
+/// thousand columns over more SMs.
+constexpr int kSecondPassThreads = 64;
 /// CUDA's limit on gridDim.y.
 constexpr int64_t kMaxGridY = 65535;
 
@@ -93,13 +94,25 @@ __global__ void sum_rows_tile_partials_kernel(const T* __restrict__ x, float* __
   for (int k = 0; k < kCols; ++k) partials[tile * cols + c + k] = sum[k];
 }
 
+/// Partials whose loads a thread of the second pass issues before adding them (in order): the
+/// pass has only one thread per column, so latency, not bandwidth, bounds it.
+constexpr int kPartialsInFlight = 16;
+
 /// out[c] = (accumulate ? out[c] : 0) + partials[0, c] + partials[1, c] + ... in tile order.
 __global__ void sum_rows_combine_kernel(const float* __restrict__ partials, float* __restrict__ out,
                                         int64_t cols, int64_t tiles, bool accumulate) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= cols) return;
   float sum = accumulate ? out[c] : 0.0f;
-  for (int64_t tile = 0; tile < tiles; ++tile) sum += partials[tile * cols + c];
+  int64_t tile = 0;
+  for (; tile + kPartialsInFlight <= tiles; tile += kPartialsInFlight) {
+    float v[kPartialsInFlight];
+#pragma unroll
+    for (int j = 0; j < kPartialsInFlight; ++j) v[j] = partials[(tile + j) * cols + c];
+#pragma unroll
+    for (int j = 0; j < kPartialsInFlight; ++j) sum += v[j];
+  }
+  for (; tile < tiles; ++tile) sum += partials[tile * cols + c];
   out[c] = sum;
 }
 
