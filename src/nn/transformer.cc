@@ -60,7 +60,7 @@ Tensor Norm::forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fu
   return y;
 }
 
-Tensor Norm::backward(const Tensor& dy, const Saved& saved) {
+Tensor Norm::backward(const Tensor& dy, const Saved& saved, const Tensor& residual) {
   OCTET_CHECK(saved.input.defined(),
               "Norm::backward needs the Saved of a forward, got an empty one");
   OCTET_CHECK(dy.defined() && dy.numel() == saved.input.numel() && dy.size(-1) == dim_,
@@ -69,11 +69,12 @@ Tensor Norm::backward(const Tensor& dy, const Saved& saved) {
   const Tensor dy2 = dy.view({-1, dim_});
   Tensor dx = empty_like(dy);
   const Tensor dx2 = dx.view({-1, dim_});
+  const Tensor residual2 = residual.defined() ? residual.view({-1, dim_}) : Tensor();
   if (kind_ == NormKind::layernorm) {
     ops::layernorm_backward(dy2, saved.input, gamma_, saved.mean, saved.rstd, dx2, grad_gamma_,
-                            grad_beta_);
+                            grad_beta_, residual2);
   } else {
-    ops::rmsnorm_backward(dy2, saved.input, gamma_, saved.rstd, dx2, grad_gamma_);
+    ops::rmsnorm_backward(dy2, saved.input, gamma_, saved.rstd, dx2, grad_gamma_, residual2);
   }
   return dx;
 }
@@ -264,11 +265,9 @@ Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
       dy.defined() ? dy.describe() : "none");
   // y = r + mlp(norm2(r)), r = x + attn(norm1(x)): the residual paths add dy through.
   const Tensor dh2 = mlp_.backward(dy, saved.mlp);
-  Tensor dr = norm2_.backward(dh2, saved.norm2);
-  ops::add(dr, dy, dr);
+  const Tensor dr = norm2_.backward(dh2, saved.norm2, /*residual=*/dy);
   const Tensor dh1 = attn_.backward(dr, saved.attn);
-  Tensor dx = norm1_.backward(dh1, saved.norm1);
-  ops::add(dx, dr, dx);
+  Tensor dx = norm1_.backward(dh1, saved.norm1, /*residual=*/dr);
   saved = Saved();
   return dx;
 }

@@ -156,16 +156,22 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta) {
+                        const Tensor& dbeta, const Tensor& residual) {
   constexpr const char* op = "layernorm_backward";
   check_backward(op, dy, x, gamma, dx, dgamma, &dbeta);
   check_f32(mean, op, "mean", {x.rows()});
   check_f32(rstd, op, "rstd", {x.rows()});
-  const Device device = common_device({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta}, op);
+  if (residual.defined()) check_like(residual, x, op, "residual", "x");
+  const Device device =
+      common_device({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta,
+                     residual.defined() ? &residual : nullptr},
+                    op);
   dispatch(
-      device, op, [&] { cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta); },
+      device, op,
+      [&] { cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual); },
       [&] {
-        OCTET_CUDA_ONLY(cuda::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta));
+        OCTET_CUDA_ONLY(
+            cuda::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual));
       });
 }
 
@@ -183,14 +189,16 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma) {
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
   constexpr const char* op = "rmsnorm_backward";
   check_backward(op, dy, x, gamma, dx, dgamma, nullptr);
   check_f32(rstd, op, "rstd", {x.rows()});
-  const Device device = common_device({&dy, &x, &gamma, &rstd, &dx, &dgamma}, op);
+  if (residual.defined()) check_like(residual, x, op, "residual", "x");
+  const Device device = common_device(
+      {&dy, &x, &gamma, &rstd, &dx, &dgamma, residual.defined() ? &residual : nullptr}, op);
   dispatch(
-      device, op, [&] { cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma); },
-      [&] { OCTET_CUDA_ONLY(cuda::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma)); });
+      device, op, [&] { cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, residual); },
+      [&] { OCTET_CUDA_ONLY(cuda::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, residual)); });
 }
 
 }  // namespace octet::ops

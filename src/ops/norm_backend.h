@@ -55,11 +55,11 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const Tensor& y, const Tensor& mean, const Tensor& rstd);
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta);
+                        const Tensor& dbeta, const Tensor& residual);
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma);
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual);
 }  // namespace octet::ops::cpu
 
 namespace octet::ops::cuda {
@@ -68,9 +68,9 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const FusedCast& cast);
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta);
+                        const Tensor& dbeta, const Tensor& residual);
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedCast& cast);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma);
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual);
 }  // namespace octet::ops::cuda

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "octet/ops/activation.h"
 #include "ops/op_check.h"
 #include "test_util.h"
 
@@ -136,11 +137,11 @@ Backward alloc_backward(Norm norm, const Tensor& x, const Tensor& grad_init) {
 }
 
 void run_backward(Norm norm, const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                  const Forward& f, const Backward& b) {
+                  const Forward& f, const Backward& b, const Tensor& residual = Tensor()) {
   if (norm == Norm::layer) {
-    ops::layernorm_backward(dy, x, gamma, f.mean, f.rstd, b.dx, b.dgamma, b.dbeta);
+    ops::layernorm_backward(dy, x, gamma, f.mean, f.rstd, b.dx, b.dgamma, b.dbeta, residual);
   } else {
-    ops::rmsnorm_backward(dy, x, gamma, f.rstd, b.dx, b.dgamma);
+    ops::rmsnorm_backward(dy, x, gamma, f.rstd, b.dx, b.dgamma, residual);
   }
 }
 
@@ -274,6 +275,29 @@ TEST_P(NormParity, GradientsAccumulateAcrossCalls) {
     for (int64_t c = 0; c < cols; ++c) twice[c] = dbeta_once[c] + dbeta_once[c];
     EXPECT_TRUE(bitwise_equal(Tensor::from_vector(twice, {cols}), b.dbeta)) << "dbeta";
   }
+}
+
+TEST_P(NormParity, ResidualIsAddedAsASeparateAddWould) {
+  const NormCase& p = GetParam();
+  const int64_t rows = p.shape.rows, cols = p.shape.cols;
+  const Inputs in = make_inputs(rows, cols, p.dtype, seed);
+  const Tensor x = on(in.x, p.backend), gamma = on(in.gamma, p.backend);
+  const Tensor dy = on(in.dy, p.backend);
+  const Tensor residual =
+      on(make_tensor(testing::uniform_values(rows * cols, -2.0f, 2.0f, rng), {rows, cols},
+                     p.dtype),
+         p.backend);
+  const Forward f = alloc_forward(p.norm, x);
+  run_forward(p.norm, x, gamma, on(in.beta, p.backend), f);
+  const Tensor zeros = Tensor::zeros({cols}, DType::f32, p.backend);
+  const Backward plain = alloc_backward(p.norm, x, zeros);
+  run_backward(p.norm, dy, x, gamma, f, plain);
+  ops::add(plain.dx, residual, plain.dx);
+  const Backward fused = alloc_backward(p.norm, x, zeros);
+  run_backward(p.norm, dy, x, gamma, f, fused, residual);
+  EXPECT_TRUE(bitwise_equal(plain.dx, fused.dx)) << "dx";
+  EXPECT_TRUE(bitwise_equal(plain.dgamma, fused.dgamma)) << "dgamma";
+  if (p.norm == Norm::layer) EXPECT_TRUE(bitwise_equal(plain.dbeta, fused.dbeta)) << "dbeta";
 }
 
 TEST_P(NormParity, FusedCastMatchesUnfused) {

@@ -37,8 +37,9 @@ class Norm {
   /// y (x's dtype and shape) = norm(x) for x [..., dim] f32|bf16; also writes y's FP8 copy when
   /// `fused` is given (Linear::fused_input of the Linear that consumes y).
   Tensor forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused = nullptr) const;
-  /// dx from dy (x's shape and dtype); accumulates grad_gamma (and grad_beta).
-  Tensor backward(const Tensor& dy, const Saved& saved);
+  /// dx from dy (x's shape and dtype); accumulates grad_gamma (and grad_beta). With `residual`
+  /// (like dy): returns dx + residual, in the same pass (the residual stream's other gradient).
+  Tensor backward(const Tensor& dy, const Saved& saved, const Tensor& residual = Tensor());
   void zero_grad();
 
   NormKind kind() const { return kind_; }

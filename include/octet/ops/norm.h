@@ -21,16 +21,18 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const Tensor& y, const Tensor& mean, const Tensor& rstd,
                        const FusedQuantize* fused = nullptr);
 /// dx (x's dtype) = LayerNorm input gradient; dgamma += sum_rows(dy * xhat), dbeta += sum_rows(dy)
-/// (f32 [cols], accumulated across calls, reduced in a fixed order).
+/// (f32 [cols], accumulated across calls, reduced in a fixed order). With `residual` (like x):
+/// dx = that gradient + residual, bitwise what a separate ops::add would give: where a residual
+/// stream's two gradient paths meet, in the same pass.
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta);
+                        const Tensor& dbeta, const Tensor& residual = Tensor());
 
 /// y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps).
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedQuantize* fused = nullptr);
-/// dx; dgamma += sum_rows(dy * x * rstd).
+/// dx; dgamma += sum_rows(dy * x * rstd); `residual` as for layernorm_backward.
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma);
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual = Tensor());
 
 }  // namespace octet::ops

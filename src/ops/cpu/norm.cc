@@ -59,12 +59,13 @@ void norm_forward(const Tensor& x_t, const Tensor& gamma_t, const Tensor& beta_t
 template <typename T, bool kRms>
 void norm_backward(const Tensor& dy_t, const Tensor& x_t, const Tensor& gamma_t,
                    const Tensor& mean_t, const Tensor& rstd_t, const Tensor& dx_t,
-                   const Tensor& dgamma_t, const Tensor& dbeta_t) {
+                   const Tensor& dgamma_t, const Tensor& dbeta_t, const Tensor& residual_t) {
   const int64_t rows = x_t.rows(), cols = x_t.cols();
   const float n = static_cast<float>(cols);
   const auto* dy = static_cast<const T*>(dy_t.raw_data());
   const auto* x = static_cast<const T*>(x_t.raw_data());
   auto* dx = static_cast<T*>(dx_t.raw_data());
+  const auto* residual = residual_t.defined() ? static_cast<const T*>(residual_t.raw_data()) : nullptr;
   const float* gamma = gamma_t.data<float>();
   const float* mean = kRms ? nullptr : mean_t.data<float>();
   const float* rstd = rstd_t.data<float>();
@@ -96,8 +97,10 @@ void norm_backward(const Tensor& dy_t, const Tensor& x_t, const Tensor& gamma_t,
       for (int64_t c = 0; c < cols; ++c) {
         const float xhat = math::norm_xhat(to_float(xr[c]), m, s);
         const float dxhat = to_float(dyr[c]) * gamma[c];
+        const T g = from_float<T>(math::norm_dx(dxhat, xhat, s, mean_dxhat, mean_dxhat_xhat));
+        // As ops::add would: the rounded gradient plus the residual, rounded again.
         dx[r * cols + c] =
-            from_float<T>(math::norm_dx(dxhat, xhat, s, mean_dxhat, mean_dxhat_xhat));
+            residual ? from_float<T>(to_float(g) + to_float(residual[r * cols + c])) : g;
       }
     }
   }
@@ -127,9 +130,9 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta) {
+                        const Tensor& dbeta, const Tensor& residual) {
   math::visit_dtype(x.dtype(), [&](auto t) {
-    norm_backward<decltype(t), false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+    norm_backward<decltype(t), false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual);
   });
 }
 
@@ -141,9 +144,10 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma) {
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
   math::visit_dtype(x.dtype(), [&](auto t) {
-    norm_backward<decltype(t), true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor());
+    norm_backward<decltype(t), true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(),
+                                     residual);
   });
 }
 

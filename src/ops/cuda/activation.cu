@@ -183,29 +183,96 @@ struct ActivationTile {
     }
   }
 
+  /// Chunks of the tile each thread stages; chunk i of a thread is tile chunk threadIdx.x + i *
+  /// kTileThreads, as in quant::load_tile.
+  static constexpr int kChunks = quant::kTile * L::kChunksPerRow / quant::kTileThreads;
+  static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
+
+  /// Stores the output chunk o of tile cell (r, j) = matrix (gr, gc) to the tile, and to `out`.
+  __device__ void put(const quant::TileParams& p, T* tile, int r, int j, int64_t gr, int64_t gc,
+                      bool full, const Pack<T, kE>& o) const {
+    if (out != nullptr && full) store_pack<kE>(out + gr * p.cols + gc, o);
+    store_pack<kE>(tile + L::chunk_offset(r, j), o);
+  }
+
+  /// A chunk that is not whole inside the matrix (or without vector access): element by element
+  /// from global memory, 0 outside the matrix.
+  __device__ Pack<T, kE> edge_chunk(const quant::TileParams& p, int64_t gr, int64_t gc) const {
+    Pack<T, kE> o;
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      const bool inside = gr < p.rows && gc + k < p.cols;
+      o.v[k] = inside ? math::from_float<T>(element(gr, gc + k, p.cols)) : T(0);
+      if (inside && out != nullptr) out[gr * p.cols + gc + k] = o.v[k];
+    }
+    return o;
+  }
+
   __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
-    static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
+    if constexpr (kAct != Activation::swiglu) {
+      if (vec) return stage_elementwise(p, tile, r0, c0);
+    }
 #pragma unroll 4
-    for (int i = 0; i < quant::kTile * L::kChunksPerRow / quant::kTileThreads; ++i) {
+    for (int i = 0; i < kChunks; ++i) {
       const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;
       const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
       const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * kE;
+      const bool full = vec && gr < p.rows && gc + kE <= p.cols;
       Pack<T, kE> o;
-      if (vec && gr < p.rows && gc + kE <= p.cols) {
+      if (full) {
         float v[kE];
         chunk(gr, gc, p.cols, v);
 #pragma unroll
         for (int k = 0; k < kE; ++k) o.v[k] = math::from_float<T>(v[k]);
-        if (out != nullptr) store_pack<kE>(out + gr * p.cols + gc, o);
       } else {
+        o = edge_chunk(p, gr, gc);
+      }
+      put(p, tile, r, j, gr, gc, full, o);
+    }
+    __syncthreads();
+  }
+
+  /// gelu / srelu with vector access, staged like the quantize op's tiles: x's chunks go to the
+  /// tile by cp.async, all in flight, and dy's to registers meanwhile; then each thread turns its
+  /// own chunks into the output in place (cp.async.wait_all covers a thread's own copies, so no
+  /// barrier is needed before that). The formulas are the elementwise kernels'.
+  __device__ void stage_elementwise(const quant::TileParams& p, T* tile, int64_t r0,
+                                    int64_t c0) const {
+    Pack<T, kE> g[kBackward ? kChunks : 1];
+    bool full[kChunks];
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;
+      const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
+      const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * kE;
+      full[i] = gr < p.rows && gc + kE <= p.cols;
+      if (full[i]) {
+        quant::cp_async_16(tile + L::chunk_offset(r, j), x + gr * p.cols + gc);
+        if constexpr (kBackward) g[i] = load_pack<kE>(dy + gr * p.cols + gc);
+      }
+    }
+    quant::cp_async_wait_all();
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;
+      const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
+      const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * kE;
+      Pack<T, kE> o;
+      if (full[i]) {
+        const Pack<T, kE> in = load_pack<kE>(tile + L::chunk_offset(r, j));
 #pragma unroll
         for (int k = 0; k < kE; ++k) {
-          const bool inside = gr < p.rows && gc + k < p.cols;
-          o.v[k] = inside ? math::from_float<T>(element(gr, gc + k, p.cols)) : T(0);
-          if (inside && out != nullptr) out[gr * p.cols + gc + k] = o.v[k];
+          const float xk = math::to_float(in.v[k]);
+          if constexpr (kBackward) {
+            o.v[k] = math::from_float<T>(math::to_float(g[i].v[k]) * math::activate_grad<kAct>(xk));
+          } else {
+            o.v[k] = math::from_float<T>(math::activate<kAct>(xk));
+          }
         }
+      } else {
+        o = edge_chunk(p, gr, gc);
       }
-      store_pack<kE>(tile + L::chunk_offset(r, j), o);
+      put(p, tile, r, j, gr, gc, full[i], o);
     }
     __syncthreads();
   }

@@ -174,8 +174,8 @@ template <typename T, int kN, bool kRms>
 __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                      const float* __restrict__ gamma,
                                      const float* __restrict__ mean, const float* __restrict__ rstd,
-                                     T* dx, float* partials, int64_t rows, int64_t cols,
-                                     int64_t rows_per_tile, bool acc_in_smem) {
+                                     const T* residual, T* dx, float* partials, int64_t rows,
+                                     int64_t cols, int64_t rows_per_tile, bool acc_in_smem) {
   constexpr int kSums = kRms ? 1 : 2;
   extern __shared__ float4 acc_raw[];  // float4: 16-byte aligned for the packs
   __shared__ float2 sums[kMaxRowsPerCta * kWarpSize];
@@ -237,6 +237,12 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
         out[k] = math::norm_dx(g.v[k] * w.v[k], math::norm_xhat(xv.v[k], m, s), s, mean_dxhat,
                                mean_dxhat_xhat);
       }
+      if (residual != nullptr) {  // as ops::add would: the rounded gradient plus the residual
+        const Pack<float, kN> res = row_pack<T, kN>(residual + r * cols, nullptr, p);
+#pragma unroll
+        for (int k = 0; k < kN; ++k)
+          out[k] = math::to_float(math::from_float<T>(out[k])) + res.v[k];
+      }
       store_output<T, kN>(dx, r * cols + p * kN, out, no_cast);
     }
   }
@@ -291,6 +297,9 @@ void allow_smem(Kernel kernel, size_t bytes) {
                                         static_cast<int>(bytes)));
 }
 
+/// The tensor's data, or nullptr when it is undefined.
+const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
+
 template <typename T, int kN, bool kRms>
 void launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
                     const Tensor& y, const Tensor& mean, const Tensor& rstd,
@@ -316,7 +325,7 @@ void launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, fl
 template <typename T, int kN, bool kRms>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                      const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                     const Tensor& dbeta) {
+                     const Tensor& dbeta, const Tensor& residual) {
   constexpr int kSums = kRms ? 1 : 2;
   const Device& device = x.device();
   const cudaStream_t stream = octet::cuda::stream(device);
@@ -341,8 +350,8 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, con
   kernel<<<static_cast<unsigned>(tiles), block, acc_bytes, stream>>>(
       static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
       gamma.data<float>(), kRms ? nullptr : mean.data<float>(), rstd.data<float>(),
-      static_cast<T*>(dx.raw_data()), partials.data<float>(), rows, cols, rows_per_tile,
-      acc_in_smem);
+      static_cast<const T*>(ptr_or_null(residual)), static_cast<T*>(dx.raw_data()),
+      partials.data<float>(), rows, cols, rows_per_tile, acc_in_smem);
   OCTET_CHECK_LAUNCH();
 
   const int64_t column_blocks = ceil_div(kSums * cols, kWarpSize);
@@ -370,8 +379,6 @@ void visit_layout(DType dtype, int64_t cols, std::initializer_list<const void*> 
   });
 }
 
-const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
-
 template <bool kRms>
 void forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, const Tensor& y,
              const Tensor& mean, const Tensor& rstd, const FusedCast& cast) {
@@ -386,12 +393,14 @@ void forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps
 
 template <bool kRms>
 void backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
-              const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta) {
+              const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta,
+              const Tensor& residual) {
   DeviceGuard guard(x.device());
-  visit_layout(x.dtype(), x.cols(), {dy.raw_data(), x.raw_data(), dx.raw_data(), gamma.raw_data()},
+  visit_layout(x.dtype(), x.cols(),
+               {dy.raw_data(), x.raw_data(), dx.raw_data(), gamma.raw_data(), ptr_or_null(residual)},
                [&](auto t, auto n) {
                  launch_backward<decltype(t), decltype(n)::value, kRms>(dy, x, gamma, mean, rstd,
-                                                                        dx, dgamma, dbeta);
+                                                                        dx, dgamma, dbeta, residual);
                });
 }
 
@@ -405,8 +414,8 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta) {
-  backward<false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta);
+                        const Tensor& dbeta, const Tensor& residual) {
+  backward<false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual);
 }
 
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
@@ -415,8 +424,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma) {
-  backward<true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor());
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
+  backward<true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(), residual);
 }
 
 }  // namespace octet::ops::cuda
