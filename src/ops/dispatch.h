@@ -22,6 +22,13 @@
 
 namespace octet::ops {
 
+/// The name an op is timed under: `op` alone, or, while the op profiler is on, `op` followed by
+/// `details` (dtypes, shape), so that its table tells calls of one op apart.
+template <typename... Details>
+std::string op_label(const char* op, const Details&... details) {
+  return profiler::enabled() ? detail::concat(op, " ", details...) : std::string(op);
+}
+
 /// Runs `on_cpu` or `on_cuda` for `device` under a device guard and an NVTX range named `op`,
 /// timed by the op profiler when it is enabled.
 /// Without the CUDA backend a GPU device gets a clear error, and `on_cuda` is never called (the

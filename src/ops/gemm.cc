@@ -168,12 +168,9 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
   const Tensor* bias = args.bias.defined() ? &args.bias : nullptr;
   const Device device = common_device({&a.data, a_scale, &b.data, b_scale, &d, bias}, "gemm");
 
-  // The profiler tells GEMMs apart by dtypes and shape; otherwise the label is just "gemm".
   const std::string label =
-      profiler::enabled()
-          ? detail::concat("gemm ", dtype_name(a.data.dtype()), "x", dtype_name(b.data.dtype()),
-                           "->", dtype_name(d.dtype()), " ", shape.m, "x", shape.n, "x", shape.k)
-          : std::string("gemm");
+      op_label("gemm", dtype_name(a.data.dtype()), "x", dtype_name(b.data.dtype()), "->",
+               dtype_name(d.dtype()), " ", shape.m, "x", shape.n, "x", shape.k);
   dispatch(
       device, label.c_str(), [&] { cpu::gemm(a, b, d, args, shape); },
       [&] { OCTET_CUDA_ONLY(cuda::gemm(a, b, d, args, shape)); });

@@ -110,8 +110,13 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
               "for a [", out.rows, ", ", out.cols, "] matrix, but x is ", x.describe(), " ([", rows,
               ", ", cols, "] as a matrix)");
   const Device device = check_quantize_target("quantize", rows, cols, out, args, x);
+  const std::string label =
+      op_label("quantize", dtype_name(x.dtype()), "->", dtype_name(out.dtype), " ",
+               fp8::scaling_mode_name(out.mode), " ", rows, "x", cols,
+               out.has_rowwise() && out.has_columnwise() ? " both" : "",
+               args.column_sums.defined() ? " +sums" : "");
   dispatch(
-      device, "quantize", [&] { cpu::quantize(x, out, args); },
+      device, label.c_str(), [&] { cpu::quantize(x, out, args); },
       [&] { OCTET_CUDA_ONLY(cuda::quantize(x, out, args)); });
 }
 
