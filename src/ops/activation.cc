@@ -23,10 +23,31 @@ void check_input_shape(Activation act, const Tensor& in, const Tensor& out, cons
               ", got ", in.describe());
 }
 
-/// The output to compute into when the caller passed none (a fused cast without the
-/// high-precision output): a temporary of the output's shape, or `out` itself.
-Tensor output_or_temporary(const Tensor& out, const Shape& shape, const Tensor& like) {
-  return out.defined() ? out : Tensor::empty(shape, like.dtype(), like.device());
+/// One activation pass into `out` (shaped `shape`; undefined is allowed with `fused`), which
+/// `compute(y)` writes on either backend, plus the optional fused FP8 cast. On CUDA the cast is
+/// the tile path, `quantized()`, which says whether it added the column sums (without a
+/// transposed copy it cannot; then sum_rows reads the output, computed for that if need be).
+/// Elsewhere it is ops::quantize on the finished output (a temporary when `out` is undefined).
+template <typename Compute, typename Quantized>
+void run_activation(const char* op, const Device& device, const Tensor& out, const Shape& shape,
+                    const Tensor& like, const FusedQuantize* fused, Compute&& compute,
+                    Quantized&& quantized) {
+  const auto output = [&] {
+    return out.defined() ? out : Tensor::empty(shape, like.dtype(), like.device());
+  };
+  if (fused != nullptr && device.is_cuda()) {
+    bool sums_done = false;
+    dispatch(device, op, [] {}, [&] { sums_done = quantized(); });
+    if (fused->args.column_sums.defined() && !sums_done) {
+      const Tensor y = output();
+      if (!out.defined()) compute(y);
+      sum_rows(y, fused->args.column_sums, /*accumulate=*/true);
+    }
+    return;
+  }
+  const Tensor y = output();
+  compute(y);
+  if (fused != nullptr) quantize(y, *fused->out, fused->args);
 }
 
 /// Validates a fused FP8 output for a [rows, cols] output of the op whose input is x.
@@ -75,26 +96,19 @@ void activation_forward(Activation act, const Tensor& x, const Tensor& y,
   }
   const Device device = y.defined() ? common_device({&x, &y}, op) : x.device();
   if (fused != nullptr) check_fused(op, *fused, x.rows(), y_shape.back(), x);
-  if (fused != nullptr && device.is_cuda()) {
-    bool sums_done = false;
-    dispatch(
-        device, op, [] {},
-        [&] {
-          OCTET_CUDA_ONLY(sums_done = cuda::activation_forward_quantized(act, x, y, *fused->out,
-                                                                         fused->args));
-        });
-    if (fused->args.column_sums.defined() && !sums_done) {
-      const Tensor out = output_or_temporary(y, y_shape, x);
-      if (!y.defined()) activation_forward(act, x, out);
-      sum_rows(out, fused->args.column_sums, /*accumulate=*/true);
-    }
-    return;
-  }
-  const Tensor out = output_or_temporary(y, y_shape, x);
-  dispatch(
-      device, op, [&] { cpu::activation_forward(act, x, out); },
-      [&] { OCTET_CUDA_ONLY(cuda::activation_forward(act, x, out)); });
-  if (fused != nullptr) quantize(out, *fused->out, fused->args);
+  run_activation(
+      op, device, y, y_shape, x, fused,
+      [&](const Tensor& out) {
+        dispatch(
+            device, op, [&] { cpu::activation_forward(act, x, out); },
+            [&] { OCTET_CUDA_ONLY(cuda::activation_forward(act, x, out)); });
+      },
+      [&] {
+        bool sums_done = false;
+        OCTET_CUDA_ONLY(sums_done = cuda::activation_forward_quantized(act, x, y, *fused->out,
+                                                                       fused->args));
+        return sums_done;
+      });
 }
 
 void activation_backward(Activation act, const Tensor& dy, const Tensor& x, const Tensor& dx,
@@ -111,26 +125,19 @@ void activation_backward(Activation act, const Tensor& dy, const Tensor& x, cons
   const Device device = dx.defined() ? common_device({&dy, &x, &dx}, op)
                                      : common_device({&dy, &x}, op);
   if (fused != nullptr) check_fused(op, *fused, x.rows(), x.cols(), x);
-  if (fused != nullptr && device.is_cuda()) {
-    bool sums_done = false;
-    dispatch(
-        device, op, [] {},
-        [&] {
-          OCTET_CUDA_ONLY(sums_done = cuda::activation_backward_quantized(act, dy, x, dx,
-                                                                          *fused->out, fused->args));
-        });
-    if (fused->args.column_sums.defined() && !sums_done) {
-      const Tensor out = output_or_temporary(dx, x.shape(), x);
-      if (!dx.defined()) activation_backward(act, dy, x, out);
-      sum_rows(out, fused->args.column_sums, /*accumulate=*/true);
-    }
-    return;
-  }
-  const Tensor out = output_or_temporary(dx, x.shape(), x);
-  dispatch(
-      device, op, [&] { cpu::activation_backward(act, dy, x, out); },
-      [&] { OCTET_CUDA_ONLY(cuda::activation_backward(act, dy, x, out)); });
-  if (fused != nullptr) quantize(out, *fused->out, fused->args);
+  run_activation(
+      op, device, dx, x.shape(), x, fused,
+      [&](const Tensor& out) {
+        dispatch(
+            device, op, [&] { cpu::activation_backward(act, dy, x, out); },
+            [&] { OCTET_CUDA_ONLY(cuda::activation_backward(act, dy, x, out)); });
+      },
+      [&] {
+        bool sums_done = false;
+        OCTET_CUDA_ONLY(sums_done = cuda::activation_backward_quantized(act, dy, x, dx,
+                                                                        *fused->out, fused->args));
+        return sums_done;
+      });
 }
 
 void add(const Tensor& a, const Tensor& b, const Tensor& out) {

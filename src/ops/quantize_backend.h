@@ -3,10 +3,23 @@
 // of these; backends may assume valid, non-empty inputs on one device.
 #pragma once
 
+#include <type_traits>
+
 #include "octet/fp8/format.h"
 #include "octet/ops/quantize.h"
 
 namespace octet::ops {
+
+/// Calls f(tag) with the FP8 dtype (e4m3 or e5m2) as a compile-time constant, so the encoder's
+/// branch on the format folds away in the inner loops. Both backends' quantize code uses it.
+template <typename F>
+void visit_fp8(DType dtype, F&& f) {
+  if (dtype == DType::e4m3) {
+    f(std::integral_constant<DType, DType::e4m3>{});
+  } else {
+    f(std::integral_constant<DType, DType::e5m2>{});
+  }
+}
 
 /// count_fp8_codes' rule for one element, shared by both backends: adds to counts[kSaturatedCodes,
 /// kUnderflowCodes, kNonzeroInputs]. `max_code` is the format's largest finite magnitude code.

@@ -40,17 +40,6 @@ void visit_input(const Tensor& x, F&& f) {
   }
 }
 
-/// Calls f(tag) with the FP8 dtype as a compile-time constant, so the encoder's branch on the
-/// format folds away in the inner loops.
-template <typename F>
-void visit_fp8(DType dtype, F&& f) {
-  if (dtype == DType::e4m3) {
-    f(std::integral_constant<DType, DType::e4m3>{});
-  } else {
-    f(std::integral_constant<DType, DType::e5m2>{});
-  }
-}
-
 /// max over abs_bits(x) of all elements.
 template <typename T>
 uint32_t max_abs_bits(const T* x, int64_t n) {

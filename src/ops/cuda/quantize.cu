@@ -165,7 +165,7 @@ void amax(const Tensor& x, const Tensor& amax_out) {
   cudaStream_t stream = octet::cuda::stream(device);
   const int64_t n = x.numel();
   auto* amax_bits = static_cast<uint32_t*>(amax_out.raw_data());
-  quant::visit_input(x.dtype(), [&](auto tag) {
+  math::visit_dtype(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* p = static_cast<const T*>(x.raw_data());
     const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
@@ -190,11 +190,11 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
     auto* data = static_cast<uint8_t*>(out.data.raw_data());
     auto* scale_inv = static_cast<float*>(out.scale_inv.raw_data());
     const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
-    quant::visit_input(x.dtype(), [&](auto in_tag) {
+    math::visit_dtype(x.dtype(), [&](auto in_tag) {
       using T = decltype(in_tag);
       const T* xp = static_cast<const T*>(x.raw_data());
       const bool vec = quant::vec_aligned(xp) && quant::vec_aligned(data);
-      quant::visit_fp8(out.dtype, [&](auto fp8_tag) {
+      visit_fp8(out.dtype, [&](auto fp8_tag) {
         quant::quantize_per_tensor_kernel<T, decltype(fp8_tag)::value>
             <<<grid, quant::kFlatThreads, 0, stream>>>(xp, n, vec, scale, data, scale_inv,
                                                        amax_bits);
@@ -206,7 +206,7 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
   }
 
   bool sums_done = false;
-  quant::visit_input(x.dtype(), [&](auto in_tag) {
+  math::visit_dtype(x.dtype(), [&](auto in_tag) {
     using T = decltype(in_tag);
     const T* xp = static_cast<const T*>(x.raw_data());
     const quant::LoadTile<T> source{xp, quant::vec_aligned(xp) && cols % quant::kVecElems<T> == 0};
@@ -248,9 +248,9 @@ void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transpose
   p.e8m0 = q.mode == ScalingMode::mxfp8_1x32;
   p.vec = quant::vec_aligned(p.q) && quant::vec_aligned(p.out) && p.cols % quant::kRunElems == 0;
   const int grid = quant::flat_grid(p.rows * quant::ceil_div(p.cols, quant::kRunElems), device);
-  quant::visit_input(out.dtype(), [&](auto out_tag) {
+  math::visit_dtype(out.dtype(), [&](auto out_tag) {
     using TOut = decltype(out_tag);
-    quant::visit_fp8(q.dtype, [&](auto fp8_tag) {
+    visit_fp8(q.dtype, [&](auto fp8_tag) {
       quant::dequantize_kernel<TOut, decltype(fp8_tag)::value>
           <<<grid, quant::kFlatThreads, 0, stream>>>(p);
       OCTET_CHECK_LAUNCH();
@@ -289,7 +289,7 @@ void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts)
   static_assert(sizeof(unsigned long long) == sizeof(int64_t), "i64 counts as CUDA's atomics");
   auto* out = static_cast<unsigned long long*>(counts.raw_data());
   const auto* c = static_cast<const uint8_t*>(codes.raw_data());
-  quant::visit_input(x.dtype(), [&](auto tag) {
+  math::visit_dtype(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* p = static_cast<const T*>(x.raw_data());
     const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);

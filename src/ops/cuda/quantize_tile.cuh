@@ -25,7 +25,9 @@
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/ops/quantize.h"
 #include "octet/ops/reduce.h"
+#include "ops/activation_math.h"
 #include "ops/cuda/fp8_kernels.cuh"
+#include "ops/quantize_backend.h"
 #include "ops/reduce_backend.h"
 
 namespace octet::ops::cuda::quant {
@@ -380,26 +382,6 @@ __global__ void __launch_bounds__(kTileThreads)
 // Host side
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-/// Calls f(T{}) with the element type of a high-precision dtype: float, or uint16_t bf16 bits.
-template <typename F>
-void visit_input(DType dtype, F&& f) {
-  if (dtype == DType::f32) {
-    f(float{});
-  } else {
-    f(uint16_t{});
-  }
-}
-
-/// Calls f with the FP8 dtype as a compile-time constant.
-template <typename F>
-void visit_fp8(DType dtype, F&& f) {
-  if (dtype == DType::e4m3) {
-    f(std::integral_constant<DType, DType::e4m3>{});
-  } else {
-    f(std::integral_constant<DType, DType::e5m2>{});
-  }
-}
 
 /// Calls f with the scaling mode as a compile-time constant.
 template <typename F>
