@@ -154,8 +154,8 @@ void AmaxRegistry::finalize(Pass pass) {
     group.last_amax = s->last_amax_[p];
     // Forward scales are snapshotted by Linear forwards for recompute (Linear::Snapshot): the new
     // scales go to fresh storage, so a snapshot keeps the values it was taken with.
-    if (pass == Pass::forward) group.next_scale = Tensor::empty(group.scale.shape(), DType::f32,
-                                                                 s->device());
+    if (pass == Pass::forward)
+      group.next_scale = Tensor::empty(group.scale.shape(), DType::f32, s->device());
     it->groups.push_back(std::move(group));
     it->states.push_back(s.get());
   }

@@ -272,7 +272,6 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
       current_scale(x, recipe, TensorRole::input, input_scale);
   }
   if (!saved.input_prefilled) {
-    OCTET_CHECK(x.defined(), "Linear::forward: no input and no fused input");
     saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
                                  record ? state_->amax_slot(TensorRole::input) : Tensor(),
                                  /*rowwise_only=*/mode == ForwardMode::inference);
@@ -347,10 +346,9 @@ std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const 
   OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
               "Linear::fused_grad_output: the FP8 state of the forward's recipe ",
               snap.recipe.name(), " is gone");
-  dy_q = fp8::QuantizedTensor::allocate(
-      rows, out_, snap.recipe.dtype_for(TensorRole::grad_output),
-      snap.recipe.mode_for(TensorRole::grad_output),
-      fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+  dy_q = fp8::QuantizedTensor::allocate(rows, out_, snap.recipe.dtype_for(TensorRole::grad_output),
+                                        snap.recipe.mode_for(TensorRole::grad_output),
+                                        fp8::Usage{.rowwise = true, .columnwise = true}, device_);
   ops::FusedQuantize fused;
   fused.out = &dy_q;
   fused.args.scale = state_->scale(TensorRole::grad_output);
@@ -364,8 +362,7 @@ Tensor Linear::backward(const fp8::QuantizedTensor& dy_q, const Saved& saved) {
   OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr && saved.snapshot.fp8,
               "Linear::backward(dy_q) needs the Saved of an FP8 forward");
   const int64_t rows = shape_numel(saved.input_shape) / in_;
-  OCTET_CHECK(dy_q.rows == rows && dy_q.cols == out_ && dy_q.has_rowwise() &&
-                  dy_q.has_columnwise(),
+  OCTET_CHECK(dy_q.rows == rows && dy_q.cols == out_ && dy_q.has_rowwise() && dy_q.has_columnwise(),
               "Linear::backward expects the fused grad_output [", rows, ", ", out_,
               "] with both copies (fused_grad_output), got [", dy_q.rows, ", ", dy_q.cols, "]");
   Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);

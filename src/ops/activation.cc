@@ -37,7 +37,8 @@ void run_activation(const char* op, const Device& device, const Tensor& out, con
   };
   if (fused != nullptr && device.is_cuda()) {
     bool sums_done = false;
-    dispatch(device, op, [] {}, [&] { sums_done = quantized(); });
+    dispatch(
+        device, op, [] {}, [&] { sums_done = quantized(); });
     if (fused->args.column_sums.defined() && !sums_done) {
       const Tensor y = output();
       if (!out.defined()) compute(y);
@@ -105,8 +106,8 @@ void activation_forward(Activation act, const Tensor& x, const Tensor& y,
       },
       [&] {
         bool sums_done = false;
-        OCTET_CUDA_ONLY(sums_done = cuda::activation_forward_quantized(act, x, y, *fused->out,
-                                                                       fused->args));
+        OCTET_CUDA_ONLY(
+            sums_done = cuda::activation_forward_quantized(act, x, y, *fused->out, fused->args));
         return sums_done;
       });
 }
@@ -122,8 +123,8 @@ void activation_backward(Activation act, const Tensor& dy, const Tensor& x, cons
   OCTET_CHECK(dy.dtype() == x.dtype(), op, ": dtype mismatch: dy must have the dtype of x (",
               x.describe(), "), got ", dy.describe());
   check_input_shape(act, x, dy, op, "x", "dy");
-  const Device device = dx.defined() ? common_device({&dy, &x, &dx}, op)
-                                     : common_device({&dy, &x}, op);
+  const Device device =
+      dx.defined() ? common_device({&dy, &x, &dx}, op) : common_device({&dy, &x}, op);
   if (fused != nullptr) check_fused(op, *fused, x.rows(), x.cols(), x);
   run_activation(
       op, device, dx, x.shape(), x, fused,
@@ -134,8 +135,8 @@ void activation_backward(Activation act, const Tensor& dy, const Tensor& x, cons
       },
       [&] {
         bool sums_done = false;
-        OCTET_CUDA_ONLY(sums_done = cuda::activation_backward_quantized(act, dy, x, dx,
-                                                                        *fused->out, fused->args));
+        OCTET_CUDA_ONLY(sums_done = cuda::activation_backward_quantized(act, dy, x, dx, *fused->out,
+                                                                        fused->args));
         return sums_done;
       });
 }

@@ -162,10 +162,9 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, 
   check_f32(mean, op, "mean", {x.rows()});
   check_f32(rstd, op, "rstd", {x.rows()});
   if (residual.defined()) check_like(residual, x, op, "residual", "x");
-  const Device device =
-      common_device({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta,
-                     residual.defined() ? &residual : nullptr},
-                    op);
+  const Device device = common_device({&dy, &x, &gamma, &mean, &rstd, &dx, &dgamma, &dbeta,
+                                       residual.defined() ? &residual : nullptr},
+                                      op);
   dispatch(
       device, op,
       [&] { cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual); },

@@ -1,7 +1,8 @@
 // Backend entry points of the norm family (include/octet/ops/norm.h), and the norms' fused FP8
-// cast. (Activations fuse theirs through the tile quantizer instead: activation_backend.h.) The dispatcher (src/ops/norm.cc) validates arguments and opens the
-// device guard and NVTX range; backends may assume valid, non-empty inputs on one device.
-// RMSNorm calls pass undefined tensors for beta, mean and dbeta.
+// cast. (Activations fuse theirs through the tile quantizer instead: activation_backend.h.) The
+// dispatcher (src/ops/norm.cc) validates arguments and opens the device guard and NVTX range;
+// backends may assume valid, non-empty inputs on one device. RMSNorm calls pass undefined tensors
+// for beta, mean and dbeta.
 #pragma once
 
 #include <cstdint>

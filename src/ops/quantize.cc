@@ -85,9 +85,8 @@ Device check_quantize_target(const char* op, int64_t rows, int64_t cols, const Q
     check_buffer(args.column_sums, op, "args.column_sums", {cols}, DType::f32);
   }
   return common_device({&source, if_defined(out.data), if_defined(out.scale_inv),
-                        if_defined(out.data_t), if_defined(out.scale_inv_t),
-                        if_defined(args.scale), if_defined(args.amax),
-                        if_defined(args.column_sums)},
+                        if_defined(out.data_t), if_defined(out.scale_inv_t), if_defined(args.scale),
+                        if_defined(args.amax), if_defined(args.column_sums)},
                        op);
 }
 
@@ -110,11 +109,10 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
               "for a [", out.rows, ", ", out.cols, "] matrix, but x is ", x.describe(), " ([", rows,
               ", ", cols, "] as a matrix)");
   const Device device = check_quantize_target("quantize", rows, cols, out, args, x);
-  const std::string label =
-      op_label("quantize", dtype_name(x.dtype()), "->", dtype_name(out.dtype), " ",
-               fp8::scaling_mode_name(out.mode), " ", rows, "x", cols,
-               out.has_rowwise() && out.has_columnwise() ? " both" : "",
-               args.column_sums.defined() ? " +sums" : "");
+  const std::string label = op_label("quantize", dtype_name(x.dtype()), "->", dtype_name(out.dtype),
+                                     " ", fp8::scaling_mode_name(out.mode), " ", rows, "x", cols,
+                                     out.has_rowwise() && out.has_columnwise() ? " both" : "",
+                                     args.column_sums.defined() ? " +sums" : "");
   dispatch(
       device, label.c_str(), [&] { cpu::quantize(x, out, args); },
       [&] { OCTET_CUDA_ONLY(cuda::quantize(x, out, args)); });

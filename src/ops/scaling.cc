@@ -58,8 +58,8 @@ void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, f
     tensors.push_back({&group.amax_history, prefix + "amax_history"});
     tensors.push_back({&group.scale, prefix + "scale"});
     tensors.push_back({&group.scale_inv, prefix + "scale_inv"});
-    for (const auto& [t, name] : {std::pair{&group.next_scale, "next_scale"},
-                                  std::pair{&group.last_amax, "last_amax"}}) {
+    for (const auto& [t, name] :
+         {std::pair{&group.next_scale, "next_scale"}, std::pair{&group.last_amax, "last_amax"}}) {
       if (!t->defined()) continue;
       check_f32_shape(*t, per_tensor, op, prefix + name);
       tensors.push_back({t, prefix + name});

@@ -34,7 +34,6 @@ using testing::to_floats;
 /// within a few percent of saturation) and SReLU's kink.
 constexpr float kRange = 4.0f;
 
-
 struct MatrixShape {
   int64_t rows, cols;  ///< of the output (swiglu's input has 2 * cols)
 };

@@ -284,8 +284,7 @@ TEST_P(NormParity, ResidualIsAddedAsASeparateAddWould) {
   const Tensor x = on(in.x, p.backend), gamma = on(in.gamma, p.backend);
   const Tensor dy = on(in.dy, p.backend);
   const Tensor residual =
-      on(make_tensor(testing::uniform_values(rows * cols, -2.0f, 2.0f, rng), {rows, cols},
-                     p.dtype),
+      on(make_tensor(testing::uniform_values(rows * cols, -2.0f, 2.0f, rng), {rows, cols}, p.dtype),
          p.backend);
   const Forward f = alloc_forward(p.norm, x);
   run_forward(p.norm, x, gamma, on(in.beta, p.backend), f);

@@ -412,13 +412,14 @@ TEST_P(QuantizeColumnSums, AddSumRowsBitsAndLeaveTheCopiesAlone) {
   ops::sum_rows(x, expected_sums, /*accumulate=*/true);
   // The fused column pass (both copies), and the fallbacks without a transposed copy.
   const std::pair<ScalingMode, Usage> layouts[] = {
-      {ScalingMode::per_tensor, {true, true}},   {ScalingMode::per_tensor, {false, true}},
-      {ScalingMode::block_1x128, {true, true}},  {ScalingMode::mxfp8_1x32, {true, true}},
-      {ScalingMode::per_tensor, {true, false}},  {ScalingMode::block_128x128, {true, false}}};
+      {ScalingMode::per_tensor, {true, true}},  {ScalingMode::per_tensor, {false, true}},
+      {ScalingMode::block_1x128, {true, true}}, {ScalingMode::mxfp8_1x32, {true, true}},
+      {ScalingMode::per_tensor, {true, false}}, {ScalingMode::block_128x128, {true, false}}};
   for (const auto& [mode, usage] : layouts) {
     SCOPED_TRACE(::testing::Message() << fp8::scaling_mode_name(mode) << " " << usage_name(usage));
     const auto quantize = [&](const Tensor& column_sums) {
-      QuantizedTensor q = QuantizedTensor::allocate(rows, cols, DType::e5m2, mode, usage, p.backend);
+      QuantizedTensor q =
+          QuantizedTensor::allocate(rows, cols, DType::e5m2, mode, usage, p.backend);
       ops::QuantizeArgs args;
       if (mode == ScalingMode::per_tensor) args.scale = scalar_on(57344.0f / magnitude, p.backend);
       args.amax = scalar_on(0.0f, p.backend);

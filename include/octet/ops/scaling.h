@@ -27,8 +27,7 @@ struct ScalingGroup {
 ///   scale = (fp8_max / amax) / 2^margin, kept when amax is 0, inf or NaN; inf clamps to FLT_MAX
 ///   scale_inv = 1 / scale; then the history rolls down one row and row 0 becomes zero.
 /// The new scale goes to next_scale when that is defined; row 0 is copied to last_amax first.
-void update_delayed_scaling(const ScalingGroup* groups, int count, int margin,
-                            fp8::AmaxAlgo algo);
+void update_delayed_scaling(const ScalingGroup* groups, int count, int margin, fp8::AmaxAlgo algo);
 
 /// Current scaling from a just-measured amax (f32[1]): scale = fp8_max / amax (1 when amax is 0,
 /// inf or NaN; FLT_MAX when that overflows), optionally rounded down to a power of two; writes

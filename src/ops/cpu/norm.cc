@@ -65,7 +65,8 @@ void norm_backward(const Tensor& dy_t, const Tensor& x_t, const Tensor& gamma_t,
   const auto* dy = static_cast<const T*>(dy_t.raw_data());
   const auto* x = static_cast<const T*>(x_t.raw_data());
   auto* dx = static_cast<T*>(dx_t.raw_data());
-  const auto* residual = residual_t.defined() ? static_cast<const T*>(residual_t.raw_data()) : nullptr;
+  const auto* residual =
+      residual_t.defined() ? static_cast<const T*>(residual_t.raw_data()) : nullptr;
   const float* gamma = gamma_t.data<float>();
   const float* mean = kRms ? nullptr : mean_t.data<float>();
   const float* rstd = rstd_t.data<float>();
@@ -146,8 +147,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
                       const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
   math::visit_dtype(x.dtype(), [&](auto t) {
-    norm_backward<decltype(t), true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(),
-                                     residual);
+    norm_backward<decltype(t), true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(), residual);
   });
 }
 

@@ -315,15 +315,14 @@ void activation_forward(Activation act, const Tensor& x, const Tensor& y) {
   const cudaStream_t stream = octet::cuda::stream(device);
   math::visit_activation(act, [&](auto a) {
     constexpr Activation kAct = decltype(a)::value;
-    visit_layout(
-        x.dtype(), pack_unit(act, y), {x.raw_data(), y.raw_data()}, [&](auto t, auto n) {
-          using T = decltype(t);
-          constexpr int kN = decltype(n)::value;
-          const int64_t packs = y.numel() / kN;
-          activation_forward_kernel<T, kN, kAct><<<grid_for(device, packs), kThreads, 0, stream>>>(
-              static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), packs, y.cols());
-          OCTET_CHECK_LAUNCH();
-        });
+    visit_layout(x.dtype(), pack_unit(act, y), {x.raw_data(), y.raw_data()}, [&](auto t, auto n) {
+      using T = decltype(t);
+      constexpr int kN = decltype(n)::value;
+      const int64_t packs = y.numel() / kN;
+      activation_forward_kernel<T, kN, kAct><<<grid_for(device, packs), kThreads, 0, stream>>>(
+          static_cast<const T*>(x.raw_data()), static_cast<T*>(y.raw_data()), packs, y.cols());
+      OCTET_CHECK_LAUNCH();
+    });
   });
 }
 

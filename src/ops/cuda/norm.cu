@@ -396,12 +396,13 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tens
               const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta,
               const Tensor& residual) {
   DeviceGuard guard(x.device());
-  visit_layout(x.dtype(), x.cols(),
-               {dy.raw_data(), x.raw_data(), dx.raw_data(), gamma.raw_data(), ptr_or_null(residual)},
-               [&](auto t, auto n) {
-                 launch_backward<decltype(t), decltype(n)::value, kRms>(dy, x, gamma, mean, rstd,
-                                                                        dx, dgamma, dbeta, residual);
-               });
+  visit_layout(
+      x.dtype(), x.cols(),
+      {dy.raw_data(), x.raw_data(), dx.raw_data(), gamma.raw_data(), ptr_or_null(residual)},
+      [&](auto t, auto n) {
+        launch_backward<decltype(t), decltype(n)::value, kRms>(dy, x, gamma, mean, rstd, dx, dgamma,
+                                                               dbeta, residual);
+      });
 }
 
 }  // namespace

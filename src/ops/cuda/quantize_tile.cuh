@@ -107,21 +107,20 @@ struct TileLayout {
 /// Everything a tile kernel needs; scale tensors are laid out as QuantizedTensor documents.
 struct TileParams {
   int64_t rows, cols;
-  int64_t tile_rows, tile_cols;      ///< tiles along each dimension = the 128-block grid
-  int64_t mx_rows, mx_cols;          ///< ceil(rows / 32), ceil(cols / 32)
-  uint8_t* data;                     ///< [rows, cols], or nullptr without a row-wise copy
-  void* scale_inv;                   ///< scales of data (f32, e8m0 for mxfp8), or nullptr
-  uint8_t* data_t;                   ///< [cols, rows], or nullptr without a column-wise copy
-  void* scale_inv_t;                 ///< scales of data_t; per_tensor: nullptr when it is scale_inv
-  const float* scale;                ///< per_tensor: the multiplier, f32[1]
-  uint32_t* amax;                    ///< optional: raised to max|x| after every FP8 store
-  bool data_vec, data_t_vec;         ///< 16-byte vector stores allowed (alignment, extents)
-  bool power_of_2;                   ///< block modes: power-of-two scales
+  int64_t tile_rows, tile_cols;  ///< tiles along each dimension = the 128-block grid
+  int64_t mx_rows, mx_cols;      ///< ceil(rows / 32), ceil(cols / 32)
+  uint8_t* data;                 ///< [rows, cols], or nullptr without a row-wise copy
+  void* scale_inv;               ///< scales of data (f32, e8m0 for mxfp8), or nullptr
+  uint8_t* data_t;               ///< [cols, rows], or nullptr without a column-wise copy
+  void* scale_inv_t;             ///< scales of data_t; per_tensor: nullptr when it is scale_inv
+  const float* scale;            ///< per_tensor: the multiplier, f32[1]
+  uint32_t* amax;                ///< optional: raised to max|x| after every FP8 store
+  bool data_vec, data_t_vec;     ///< 16-byte vector stores allowed (alignment, extents)
+  bool power_of_2;               ///< block modes: power-of-two scales
   /// Optional, with data_t: [tile_rows, cols], each tile's column sums in sum_rows' order
   /// (combine_row_partials finishes them).
   float* col_partials;
 };
-
 
 // ----------------------------------------------------------------------------
 // Device pieces of the tile kernel
@@ -309,7 +308,6 @@ __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T*
   }
 }
 
-
 /// The tile is x itself, copied by cp.async: ops::quantize.
 template <typename T>
 struct LoadTile {
@@ -323,10 +321,11 @@ struct LoadTile {
 // ----------------------------------------------------------------------------
 // The kernel
 
-/// Quantizes one 128x128 tile of x, as Source stages it (blockIdx.x = tile, row-major over the tile grid) into the
-/// row-wise and/or column-wise copy in scaling mode kMode, with their scales and optional amax.
-/// Traffic per bf16 element: 2 B read, 1 B per copy written (4 B with both copies; 6 B for f32),
-/// all as 16-byte coalesced accesses; shared memory is bank-conflict-free (TileLayout). Expect
+/// Quantizes one 128x128 tile of x, as Source stages it (blockIdx.x = tile, row-major over the tile
+/// grid) into the row-wise and/or column-wise copy in scaling mode kMode, with their scales and
+/// optional amax. Traffic per bf16 element: 2 B read, 1 B per copy written (4 B with both copies; 6
+/// B for f32), all as 16-byte coalesced accesses; shared memory is bank-conflict-free (TileLayout).
+/// Expect
 /// >= 85% of copy bandwidth for per-tensor cast-transpose and >= 75% for the block modes at large
 /// aligned shapes; edge tiles and unaligned shapes take the element-wise fallbacks.
 template <typename T, ScalingMode kMode, DType kFp8, typename Source>
@@ -376,7 +375,6 @@ __global__ void __launch_bounds__(kTileThreads)
   }
   if (p.amax != nullptr) publish_amax<kTileThreads>(amax_bits, p.amax, scratch);
 }
-
 
 // ----------------------------------------------------------------------------
 // Host side
@@ -436,8 +434,8 @@ void launch_quantize_tile(const TileParams& p, const Source& source, const Devic
 /// when the transposed copy is written (the column pass computes them). Returns whether the
 /// column sums were done; if not, the caller adds them (sum_rows over the matrix).
 template <typename T, typename Source>
-bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out,
-                    const QuantizeArgs& args, const Source& source, const Device& device) {
+bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const QuantizeArgs& args,
+                    const Source& source, const Device& device) {
   TileParams p{};
   p.rows = rows;
   p.cols = cols;
@@ -466,13 +464,12 @@ bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out,
   visit_mode(out.mode, [&](auto mode_tag) {
     visit_fp8(out.dtype, [&](auto fp8_tag) {
       launch_quantize_tile<T, decltype(mode_tag)::value, decltype(fp8_tag)::value>(p, source,
-                                                                                     device, stream);
+                                                                                   device, stream);
     });
   });
   if (!col_partials.defined()) return false;
   combine_row_partials(col_partials, args.column_sums, /*accumulate=*/true);
   return true;
 }
-
 
 }  // namespace octet::ops::cuda::quant

@@ -36,7 +36,7 @@ constexpr uint32_t kExponentMask = 0x7F800000u;
 
 /// One group of update_delayed_scaling, as raw pointers.
 struct DelayedGroup {
-  float* history;     ///< [len, n]
+  float* history;      ///< [len, n]
   const float* scale;  ///< [n], the current scales
   float* next_scale;   ///< [n], the new scales (may be `scale`)
   float* scale_inv;    ///< [n]
