@@ -471,6 +471,36 @@ TEST_P(LinearBackendTest, FusedInputIsDeclinedOutsideDelayedScaling) {
   EXPECT_FALSE(saved.filled());
 }
 
+TEST_P(LinearBackendTest, FusedGradOutputIsDeclinedOutsideDelayedScalingAndChecked) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  Linear layer(32, 16, true, device, seed, DType::bf16);
+  const Tensor x = testing::random_tensor({16, 32}, DType::bf16, seed + 1).to(device);
+  fp8::QuantizedTensor dy_q;
+  Linear::Saved bf16_saved;
+  layer.forward(x, bf16_saved);  // no autocast: BF16
+  EXPECT_FALSE(layer.fused_grad_output(16, bf16_saved, dy_q).has_value());
+  AmaxRegistry registry;
+  Linear::Saved current_saved;
+  {
+    Fp8Autocast scope(Recipe::current(), registry);
+    layer.forward(x, current_saved);
+  }
+  EXPECT_FALSE(layer.fused_grad_output(16, current_saved, dy_q).has_value());
+  EXPECT_FALSE(dy_q.has_rowwise());
+  // A grad_output of the wrong shape is refused by name.
+  Linear::Saved delayed_saved;
+  {
+    Fp8Autocast scope(Recipe::delayed(), registry);
+    layer.forward(x, delayed_saved);
+  }
+  fp8::QuantizedTensor wrong = fp8::QuantizedTensor::allocate(
+      8, 16, DType::e5m2, fp8::ScalingMode::per_tensor, {true, true}, device);
+  EXPECT_THAT([&] { layer.backward(wrong, delayed_saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("fused grad_output [16, 16]")));
+}
+
 TEST_P(LinearBackendTest, ActivationFusedInputAndGradOutputMatchTheUnfusedLayer) {
   // An activation on both sides of a Linear, z = gelu(W gelu(x) + b), the way an MLP chains
   // them: the first gelu writes the Linear's FP8 input (without its BF16 output), the second
