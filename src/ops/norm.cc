@@ -9,6 +9,7 @@
 #include "octet/ops/reduce.h"
 #include "ops/dispatch.h"
 #include "ops/norm_backend.h"
+#include "ops/quantize_backend.h"
 
 namespace octet::ops {
 namespace {
@@ -24,15 +25,6 @@ void check_f32(const Tensor& t, const char* op, const char* name, const Shape& s
               shape_str(shape), ", got ", t.describe());
   OCTET_CHECK(t.shape() == shape, op, ": shape mismatch: ", name, " expected f32", shape_str(shape),
               ", got ", t.describe());
-}
-
-/// Throws unless `t` is a defined tensor of `dtype` and exactly `shape` (fused FP8 buffers).
-void check_buffer(const Tensor& t, const char* op, const char* name, const Shape& shape,
-                  DType dtype) {
-  OCTET_CHECK(t.defined(), op, ": the fused FP8 output's ", name, " is not allocated; expected ",
-              dtype_name(dtype), shape_str(shape));
-  OCTET_CHECK(t.dtype() == dtype && t.shape() == shape, op, ": the fused FP8 output's ", name,
-              " expected ", dtype_name(dtype), shape_str(shape), ", got ", t.describe());
 }
 
 /// x and y of a norm forward (same dtype and shape), gamma (and beta) f32 [cols], eps.
@@ -78,34 +70,21 @@ FusedPlan::FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& 
               ": fused.out is null; expected the QuantizedTensor to write the FP8 output into");
   const QuantizedTensor& q = *fused->out;
   const QuantizeArgs& args = fused->args;
-  const int64_t rows = y.rows(), cols = y.cols();
-  OCTET_CHECK(q.rows == rows && q.cols == cols, op,
-              ": shape mismatch: the fused FP8 output is allocated for a [", q.rows, ", ", q.cols,
-              "] matrix, expected [", rows, ", ", cols, "] for the op's output ", y.describe());
-  OCTET_CHECK(is_fp8(q.dtype), op, ": unsupported dtype ", dtype_name(q.dtype),
-              " for the fused FP8 output; expected e4m3 or e5m2");
-  const std::pair<const Tensor*, const char*> parts[] = {
-      {&q.data, "data"},           {&q.scale_inv, "scale_inv"},
-      {&q.data_t, "data_t"},       {&q.scale_inv_t, "scale_inv_t"},
-      {&args.scale, "args.scale"}, {&args.amax, "args.amax"}};
+  const std::pair<const Tensor*, const char*> parts[] = {{&q.data, "data"},
+                                                         {&q.scale_inv, "scale_inv"},
+                                                         {&q.data_t, "data_t"},
+                                                         {&q.scale_inv_t, "scale_inv_t"},
+                                                         {&args.scale, "args.scale"},
+                                                         {&args.amax, "args.amax"},
+                                                         {&args.column_sums, "args.column_sums"}};
   for (const auto& [t, name] : parts) {
     OCTET_CHECK(!t->defined() || t->device() == device, op, ": the fused FP8 output's ", name,
                 " is on ", t->device(), ", expected ", device, " (the op's tensors' device)");
   }
-  // Everything else is ops::quantize on the finished output, which validates its own arguments.
+  check_quantize_target(op, y.rows(), y.cols(), q, args, y);
+  // The kernel casts the row-wise per-tensor copy; everything else is quantize in finish().
   if (!device.is_cuda() || q.mode != ScalingMode::per_tensor || !q.has_rowwise()) return;
 
-  check_buffer(q.data, op, "data", {rows, cols}, q.dtype);
-  check_buffer(q.scale_inv, op, "scale_inv", {1}, DType::f32);
-  if (q.has_columnwise()) {
-    check_buffer(q.data_t, op, "data_t", {cols, rows}, q.dtype);
-    check_buffer(q.scale_inv_t, op, "scale_inv_t", {1}, DType::f32);
-  }
-  OCTET_CHECK(args.scale.defined() && args.scale.dtype() == DType::f32 && args.scale.numel() == 1,
-              op, ": per_tensor scaling needs fused.args.scale as f32[1], got ",
-              args.scale.describe());
-  OCTET_CHECK(!args.amax.defined() || (args.amax.dtype() == DType::f32 && args.amax.numel() >= 1),
-              op, ": fused.args.amax expected f32[>=1], got ", args.amax.describe());
   kernel_cast_.data = static_cast<uint8_t*>(q.data.raw_data());
   kernel_cast_.scale_inv = q.scale_inv.data<float>();
   kernel_cast_.scale = args.scale.data<float>();

@@ -69,8 +69,8 @@ void check_quantized(const QuantizedTensor& q, const char* op) {
 
 Device check_quantize_target(const char* op, int64_t rows, int64_t cols, const QuantizedTensor& out,
                              const QuantizeArgs& args, const Tensor& source) {
-  OCTET_CHECK(out.rows == rows && out.cols == cols, op, ": shape mismatch: the FP8 output is ",
-              "allocated for a [", out.rows, ", ", out.cols, "] matrix, expected [", rows, ", ",
+  OCTET_CHECK(out.rows == rows && out.cols == cols, op, ": shape mismatch: the fused FP8 output ",
+              "is allocated for a [", out.rows, ", ", out.cols, "] matrix, expected [", rows, ", ",
               cols, "]");
   check_quantized(out, op);
   if (out.mode == ScalingMode::per_tensor) {

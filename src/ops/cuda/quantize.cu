@@ -184,15 +184,16 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
   uint32_t* amax_bits = quant::data_or_null<uint32_t>(args.amax);
   const float* scale = quant::data_or_null<const float>(args.scale);
 
-  if (out.mode == ScalingMode::per_tensor && !out.has_columnwise()) {
-    // No transpose: a streaming map over the flat matrix.
-    const int64_t n = rows * cols;
-    auto* data = static_cast<uint8_t*>(out.data.raw_data());
-    auto* scale_inv = static_cast<float*>(out.scale_inv.raw_data());
-    const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
-    math::visit_dtype(x.dtype(), [&](auto in_tag) {
-      using T = decltype(in_tag);
-      const T* xp = static_cast<const T*>(x.raw_data());
+  bool sums_done = false;
+  math::visit_dtype(x.dtype(), [&](auto in_tag) {
+    using T = decltype(in_tag);
+    const T* xp = static_cast<const T*>(x.raw_data());
+    if (out.mode == ScalingMode::per_tensor && !out.has_columnwise()) {
+      // No transpose: a streaming map over the flat matrix.
+      const int64_t n = rows * cols;
+      auto* data = static_cast<uint8_t*>(out.data.raw_data());
+      auto* scale_inv = static_cast<float*>(out.scale_inv.raw_data());
+      const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
       const bool vec = quant::vec_aligned(xp) && quant::vec_aligned(data);
       visit_fp8(out.dtype, [&](auto fp8_tag) {
         quant::quantize_per_tensor_kernel<T, decltype(fp8_tag)::value>
@@ -200,19 +201,13 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
                                                        amax_bits);
         OCTET_CHECK_LAUNCH();
       });
-    });
-    if (args.column_sums.defined()) sum_rows(x, args.column_sums, /*accumulate=*/true);
-    return;
-  }
-
-  bool sums_done = false;
-  math::visit_dtype(x.dtype(), [&](auto in_tag) {
-    using T = decltype(in_tag);
-    const T* xp = static_cast<const T*>(x.raw_data());
+      return;
+    }
     const quant::LoadTile<T> source{xp, quant::vec_aligned(xp) && cols % quant::kVecElems<T> == 0};
     sums_done = quant::quantize_tiles<T>(rows, cols, out, args, source, device);
   });
-  // Without a transposed copy there is no column pass: sum_rows reads x again.
+  // Column sums ride on the tile kernel's column pass; without a transposed copy there is none,
+  // and sum_rows reads x again.
   if (args.column_sums.defined() && !sums_done) sum_rows(x, args.column_sums, /*accumulate=*/true);
 }
 
