@@ -418,11 +418,7 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
 
 void train(const TrainOptions& options) {
   RunSetup run = prepare_run(options);
-  const TrainOptions& o = run.options;
-  const Device& device = run.device;
-  const Precision& precision = run.precision;
-  const ModelConfig& config = run.config;
-  std::unique_ptr<TokenSource>& data = run.data;
+  auto& [o, device, precision, data, config] = run;
 
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
 
@@ -521,11 +517,7 @@ void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, doub
 
 void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
   RunSetup run = prepare_run(options);
-  const TrainOptions& o = run.options;
-  const Device& device = run.device;
-  const Precision& precision = run.precision;
-  const ModelConfig& config = run.config;
-  std::unique_ptr<TokenSource>& data = run.data;
+  auto& [o, device, precision, data, config] = run;
   reset_device_peak(device);
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
   Tensor norm_sq = Tensor::zeros({1}, DType::f32, device);
