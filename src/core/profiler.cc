@@ -7,6 +7,8 @@
 #include <mutex>
 
 #if OCTET_WITH_CUDA
+#include <cuda_profiler_api.h>
+
 #include "octet/core/cuda_context.h"
 #endif
 
@@ -57,7 +59,15 @@ thread_local int depth = 0;
 
 }  // namespace
 
-void set_enabled(bool on) { state().enabled = on; }
+void set_enabled(bool on) {
+  state().enabled = on;
+#if OCTET_WITH_CUDA
+  // The same window is the CUDA profiler's capture range, so `ncu --profile-from-start off` sees
+  // exactly the profiled steps. Without a GPU (or a profiler) these calls do nothing useful; their
+  // status is dropped.
+  if ((on ? cudaProfilerStart() : cudaProfilerStop()) != cudaSuccess) (void)cudaGetLastError();
+#endif
+}
 
 bool enabled() { return state().enabled; }
 

@@ -20,6 +20,8 @@ struct OpTime {
   double ms = 0;
 };
 
+/// Turns op timing on or off; the enabled window is also the CUDA profiler's capture range
+/// (cudaProfilerStart/Stop), for `ncu --profile-from-start off`.
 void set_enabled(bool on);
 bool enabled();
 
