@@ -499,6 +499,54 @@ TEST(EmbeddingCuda, CrossEntropyIsRepeatableAsBytes) {
   }
 }
 
+/// A bf16 row of 65536 or 65535 logits (128 KiB) fits in the shared memory a CTA may opt into on
+/// an H100/H200 (227 KiB) and takes the staged kernel: by 16-byte packs when aligned, element by
+/// element at an odd offset or an odd vocabulary, and in place. The same values as f32 (256 KiB a
+/// row, more than any GPU's opt-in) take the three-pass kernel. Both do the same operations on the
+/// same floats, so the losses are the same bits and the bf16 gradient is the f32 gradient rounded
+/// to bf16. (On a GPU with less shared memory both take the three-pass kernel.)
+TEST(EmbeddingCuda, CrossEntropyStagedRowsEqualThreePassRows) {
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  constexpr int64_t kRows = 24;
+  const float grad_scale = 1.0f / (3 * kRows);
+  for (const int64_t vocab : {int64_t{65536}, int64_t{65535}}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const Tensor logits = testing::random_tensor({kRows, vocab}, DType::bf16, seed, 8.0f);
+    const Tensor targets = int_tensor(make_targets(kRows, vocab, seed + 1), {kRows}).to(gpu);
+    const Tensor logits32 = make_tensor(to_floats(logits), {kRows, vocab}, DType::f32).to(gpu);
+    Tensor losses32 = Tensor::empty({kRows}, DType::f32, gpu);
+    Tensor dlogits32 = Tensor::empty({kRows, vocab}, DType::f32, gpu);
+    ops::cross_entropy(logits32, targets, losses32, dlogits32, grad_scale);
+    const std::vector<uint8_t> want_losses = to_bytes(losses32);
+    // The f32 gradient rounded to bf16 (make_tensor rounds to nearest even, as the kernel does).
+    const std::vector<uint8_t> want_grad =
+        to_bytes(make_tensor(to_floats(dlogits32), {kRows, vocab}, DType::bf16));
+
+    const auto expect_three_pass_bits = [&](const Tensor& l, const Tensor& d, const char* what) {
+      Tensor losses = Tensor::empty({kRows}, DType::f32, gpu);
+      ops::cross_entropy(l, targets, losses, d, grad_scale);
+      EXPECT_TRUE(to_bytes(losses) == want_losses) << what << ": losses differ";
+      EXPECT_TRUE(to_bytes(d) == want_grad) << what << ": dlogits differ";
+    };
+    expect_three_pass_bits(logits.to(gpu), Tensor::empty({kRows, vocab}, DType::bf16, gpu),
+                           "aligned");
+    const Tensor in_place = logits.to(gpu);
+    expect_three_pass_bits(in_place, in_place, "in place");
+    // Views 2 bytes past a 16-byte boundary: no 16-byte packs.
+    const auto odd_view = [&] {
+      return Tensor::empty({kRows * vocab + 1}, DType::bf16, gpu)
+          .slice(1, kRows * vocab + 1)
+          .view({kRows, vocab});
+    };
+    Tensor odd = odd_view();
+    odd.copy_from(logits);
+    expect_three_pass_bits(odd, odd_view(), "odd offset");
+  }
+}
+
 /// Sets an environment variable for one scope, then restores what was there.
 class EnvScope {
  public:
