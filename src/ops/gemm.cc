@@ -124,6 +124,25 @@ void check_dense_has_no_scales(const GemmOperand& x, const char* name) {
               ") must not carry scale_inv, got ", x.scale_inv.describe());
 }
 
+/// The addend is a second [M, N] input of D's dtype; the epilogue reads it element by element
+/// while D is written, so the two must be disjoint.
+void check_addend(const GemmArgs& args, const Tensor& d, const GemmShape& shape) {
+  const Tensor& c = args.addend;
+  OCTET_CHECK(args.beta == 0.0f, "gemm: an addend and beta = ", args.beta,
+              " are exclusive (beta adds D's own contents, the addend another matrix); expected "
+              "beta = 0 with an addend, or no addend");
+  OCTET_CHECK(c.ndim() >= 1 && c.rows() == shape.m && c.cols() == shape.n,
+              "gemm: addend shape: expected [", shape.m, ", ", shape.n, "] (D's M x N), got ",
+              c.describe());
+  OCTET_CHECK(c.dtype() == d.dtype(), "gemm: addend dtype: expected D's dtype ",
+              dtype_name(d.dtype()), ", got ", c.describe());
+  const auto* c0 = static_cast<const char*>(c.raw_data());
+  const auto* d0 = static_cast<const char*>(d.raw_data());
+  OCTET_CHECK(c0 + c.nbytes() <= d0 || d0 + d.nbytes() <= c0,
+              "gemm: the addend must not share memory with D, got addend ", c.describe(), " and D ",
+              d.describe(), "; to add D's own contents use beta = 1 instead");
+}
+
 /// Validates every argument and returns the resolved shape.
 GemmShape check_args(const GemmOperand& a, const GemmOperand& b, const Tensor& d,
                      const GemmArgs& args) {
@@ -150,6 +169,8 @@ GemmShape check_args(const GemmOperand& a, const GemmOperand& b, const Tensor& d
                 dtype_name(args.bias.dtype()), "; expected f32 or bf16");
   }
 
+  if (args.addend.defined()) check_addend(args, d, shape);
+
   if (is_fp8(a.data.dtype())) {
     check_fp8_rules(a, b, shape);
   } else {
@@ -166,11 +187,14 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
   const Tensor* a_scale = a.scale_inv.defined() ? &a.scale_inv : nullptr;
   const Tensor* b_scale = b.scale_inv.defined() ? &b.scale_inv : nullptr;
   const Tensor* bias = args.bias.defined() ? &args.bias : nullptr;
-  const Device device = common_device({&a.data, a_scale, &b.data, b_scale, &d, bias}, "gemm");
+  const Tensor* addend = args.addend.defined() ? &args.addend : nullptr;
+  const Device device =
+      common_device({&a.data, a_scale, &b.data, b_scale, &d, bias, addend}, "gemm");
 
   const std::string label =
       op_label("gemm", dtype_name(a.data.dtype()), "x", dtype_name(b.data.dtype()), "->",
-               dtype_name(d.dtype()), " ", shape.m, "x", shape.n, "x", shape.k);
+               dtype_name(d.dtype()), " ", shape.m, "x", shape.n, "x", shape.k,
+               addend != nullptr ? " +addend" : "");
   dispatch(
       device, label.c_str(), [&] { cpu::gemm(a, b, d, args, shape); },
       [&] { OCTET_CUDA_ONLY(cuda::gemm(a, b, d, args, shape)); });

@@ -1,5 +1,5 @@
 // CUDA-specific GEMM tests: the cuBLASLt algorithm cache, determinism, MXFP8 emulation, block
-// scales, the bias and beta paths and the device check. They call the CUDA backend
+// scales, the bias, beta and addend paths and the device check. They call the CUDA backend
 // (octet::ops::cuda::gemm) directly with a resolved GemmShape; the parity suite against the CPU
 // reference lives with the dispatcher. Without a GPU every case skips itself.
 #include <gtest/gtest.h>
@@ -202,6 +202,38 @@ TEST(GemmCudaCache, OnlyTheFirstCallPerKeyQueriesTheHeuristic) {
   EXPECT_GT(cuda::gemm_heuristic_queries(), queries_after_miss);
 }
 
+TEST(GemmCudaCache, AnAddendIsPartOfTheKey) {
+  OCTET_SKIP_IF_UNAVAILABLE(kGpu);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed);
+  static int64_t round = 0;  // a fresh shape per --gtest_repeat round, as above
+  const int64_t M = 1040 + 32 * round++;
+  constexpr int64_t N = 80, K = 64;
+  const Tensor a = testing::random_tensor({M, K}, DType::bf16, seed).to(kGpu);
+  const Tensor b = testing::random_tensor({N, K}, DType::bf16, seed + 1).to(kGpu);
+  const Tensor addend = testing::random_tensor({M, N}, DType::bf16, seed + 2).to(kGpu);
+  auto run = [&](bool with_addend) {
+    GemmArgs args;
+    if (with_addend) args.addend = addend;
+    Tensor d = Tensor::empty({M, N}, DType::bf16, kGpu);
+    cuda::gemm(operand(a, false), operand(b, true), d, args, {M, N, K});
+    return d;
+  };
+  const size_t entries = cuda::gemm_cache_size();
+  const Tensor plain = run(false);
+  EXPECT_EQ(cuda::gemm_cache_size(), entries + 1);
+  const uint64_t queries = cuda::gemm_heuristic_queries();
+  const Tensor fused = run(true);  // the same shape with C != D: its own entry and query
+  EXPECT_EQ(cuda::gemm_cache_size(), entries + 2);
+  EXPECT_GT(cuda::gemm_heuristic_queries(), queries);
+  const uint64_t queries_after = cuda::gemm_heuristic_queries();
+  run(true);
+  EXPECT_EQ(cuda::gemm_cache_size(), entries + 2);
+  EXPECT_EQ(cuda::gemm_heuristic_queries(), queries_after);
+  // And the addend was added: D differs from the plain product wherever the addend is large.
+  EXPECT_FALSE(bitwise_equal(plain, fused));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Dense operands: every transpose, exact with small integers (|sums| <= 256 stay exact even in a
 // bf16 split-K partial).
@@ -251,32 +283,44 @@ INSTANTIATE_TEST_SUITE_P(All, GemmCudaDense, ::testing::ValuesIn(dense_cases()),
                          });
 
 // ---------------------------------------------------------------------------------------------
-// Per-tensor FP8 (TN): scales, alpha, beta = 1 accumulation into D, and both bias paths (fused by
-// cuBLASLt, or added by our kernel where cuBLASLt declines the bias type). Small integers with
-// power-of-two scales keep every intermediate exact, so the result is compared bit for bit.
+// Per-tensor FP8 (TN): scales, alpha, beta = 1 accumulation into D, an addend (C != D), and both
+// bias paths (fused by cuBLASLt, or added by our kernel where cuBLASLt declines the bias type).
+// Small integers with power-of-two scales keep every intermediate exact (BF16 included), so the
+// result is compared bit for bit.
+
+/// What joins the product besides the bias: nothing, beta * D (D's old contents), or an addend.
+enum class Extra : uint8_t { none, beta, addend };
 
 struct Fp8Case {
   DType a, b, out;
   int bias;  ///< 0: none, else the bias dtype's index (1: f32, 2: bf16)
-  bool beta;
+  Extra extra;
   Accumulation accumulation;
 };
 
 class GemmCudaPerTensorFp8 : public ::testing::TestWithParam<Fp8Case> {};
 
-TEST_P(GemmCudaPerTensorFp8, ScalesBiasAndBetaAreExact) {
+TEST_P(GemmCudaPerTensorFp8, ScalesBiasBetaAndAddendAreExact) {
   OCTET_SKIP_IF_UNAVAILABLE(kGpu);
   const Fp8Case c = GetParam();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(seed);
-  constexpr int64_t M = 48, N = 32, K = 32;  // |A B| <= 2 * 2 * 32 = 128; plus D and bias <= 136
+  // |A B| <= 2 * 2 * 32 = 128; plus D (or the addend) and bias <= 136.
+  constexpr int64_t M = 48, N = 32, K = 32;
   Fp8Matrix a = make_fp8(M, K, c.a, ScalingMode::per_tensor, false, seed, 2, true, 0.5f);
   Fp8Matrix b = make_fp8(N, K, c.b, ScalingMode::per_tensor, true, seed + 1, 2, true, 2.0f);
+  // D's old contents for beta, or the addend; with an addend D starts as NaN (it is not read).
   Tensor d0 = testing::random_int_tensor({M, N}, c.out, seed + 2, 4);
   Tensor d = d0.to(kGpu);
   GemmArgs args;
-  args.beta = c.beta ? 1.0f : 0.0f;
+  args.beta = c.extra == Extra::beta ? 1.0f : 0.0f;
   args.accumulation = c.accumulation;
+  if (c.extra == Extra::addend) {
+    args.addend = d0.to(kGpu);
+    Tensor nan = Tensor::empty({M, N}, c.out);
+    std::memset(nan.raw_data(), 0xFF, nan.nbytes());
+    d = nan.to(kGpu);
+  }
   Tensor bias;
   if (c.bias != 0) {
     bias = testing::random_int_tensor({N}, c.bias == 1 ? DType::f32 : DType::bf16, seed + 3, 4);
@@ -299,11 +343,12 @@ TEST_P(GemmCudaPerTensorFp8, ScalesBiasAndBetaAreExact) {
   for (int64_t i = 0; i < M; ++i) {
     for (int64_t j = 0; j < N; ++j) {
       double& v = expected[i * N + j];
-      if (c.beta) v += old_d[i * N + j];
+      if (c.extra != Extra::none) v += old_d[i * N + j];
       if (c.bias != 0) v += bias_values[j];
     }
   }
   EXPECT_TRUE(bitwise_equal(rounded(expected, {M, N}, c.out), d));
+  if (c.extra == Extra::addend) EXPECT_TRUE(bitwise_equal(d0, args.addend)) << "addend changed";
 }
 
 std::vector<Fp8Case> fp8_cases() {
@@ -313,22 +358,89 @@ std::vector<Fp8Case> fp8_cases() {
   for (auto [a, b] : pairs)
     for (DType out : {DType::f32, DType::bf16})
       for (int bias : {0, 1, 2})
-        for (bool beta : {false, true})
+        for (Extra extra : {Extra::none, Extra::beta, Extra::addend})
           for (Accumulation acc : {Accumulation::fast, Accumulation::split})
-            cases.push_back({a, b, out, bias, beta, acc});
+            cases.push_back({a, b, out, bias, extra, acc});
   return cases;
 }
 
 std::string fp8_case_name(const ::testing::TestParamInfo<Fp8Case>& info) {
   const Fp8Case& c = info.param;
   static const char* const kBias[] = {"nobias", "biasf32", "biasbf16"};
+  static const char* const kExtra[] = {"_beta0", "_beta1", "_addend"};
   return std::string(dtype_name(c.a)) + "x" + std::string(dtype_name(c.b)) + "_to_" +
-         std::string(dtype_name(c.out)) + "_" + kBias[c.bias] + (c.beta ? "_beta1" : "_beta0") +
+         std::string(dtype_name(c.out)) + "_" + kBias[c.bias] + kExtra[static_cast<int>(c.extra)] +
          (c.accumulation == Accumulation::fast ? "_fast" : "_split");
 }
 
 INSTANTIATE_TEST_SUITE_P(All, GemmCudaPerTensorFp8, ::testing::ValuesIn(fp8_cases()),
                          fp8_case_name);
+
+// ---------------------------------------------------------------------------------------------
+// The addend at the shape it is for (GPT-2 1.5B's attention projection, [tokens, 1600] x
+// [1600, 1600]^T, bias and residual in BF16 as nn::Linear passes them): fused into cuBLASLt's
+// epilogue on Hopper, with no separate pass, and within the CPU contract's tolerance.
+
+/// CUDA against the CPU contract (the parity suite's bounds): FP8 fast accumulation, BF16 tensor
+/// cores, and one BF16 rounding of the result that may land on the other side.
+constexpr double kFastAccumulationRelL2 = 0.001953125;  // 2^-9
+constexpr double kBf16TensorCoreRelL2 = 1e-5;
+constexpr double kBf16OutputRelL2 = 0.00390625;  // 2^-8
+
+class GemmCudaAddend : public ::testing::TestWithParam<DType> {};
+
+TEST_P(GemmCudaAddend, FusesWithTheBiasOnHopperAndTracksTheCpuContract) {
+  OCTET_SKIP_IF_UNAVAILABLE(kGpu);
+  const DType in = GetParam();
+  if (is_fp8(in) && !has_fp8_tensor_cores(kGpu)) GTEST_SKIP() << "no FP8 tensor cores";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(seed);
+  constexpr int64_t M = 1024, N = 1600, K = 1600;
+  GemmOperand a_host, b_host;
+  if (is_fp8(in)) {
+    const Fp8Matrix a = make_fp8(M, K, in, ScalingMode::per_tensor, false, seed, 4, false, 0.25f);
+    const Fp8Matrix b = make_fp8(N, K, in, ScalingMode::per_tensor, true, seed + 1, 4, false, 0.5f);
+    a_host = operand(a.host_data, false, a.host_scales);
+    b_host = operand(b.host_data, true, b.host_scales);
+  } else {
+    a_host = operand(testing::random_tensor({M, K}, in, seed), false);
+    b_host = operand(testing::random_tensor({N, K}, in, seed + 1), true);
+  }
+  auto on_gpu = [](const GemmOperand& x) {
+    return operand(x.data.to(kGpu), x.transpose,
+                   x.scale_inv.defined() ? x.scale_inv.to(kGpu) : Tensor(), x.mode);
+  };
+  GemmArgs host_args;
+  host_args.accumulation = Accumulation::fast;  // a forward GEMM
+  host_args.bias = testing::random_tensor({N}, DType::bf16, seed + 2);
+  // The residual stream is larger than one layer's output.
+  host_args.addend = testing::random_tensor({M, N}, DType::bf16, seed + 3, 8.0f);
+  GemmArgs args = host_args;
+  args.bias = host_args.bias.to(kGpu);
+  args.addend = host_args.addend.to(kGpu);
+
+  const uint64_t unfused = cuda::gemm_unfused_addends();
+  Tensor d = Tensor::empty({M, N}, DType::bf16, kGpu);
+  cuda::gemm(on_gpu(a_host), on_gpu(b_host), d, args, {M, N, K});
+  if (octet::cuda::properties(kGpu).major == 9) {
+    EXPECT_EQ(cuda::gemm_unfused_addends(), unfused)
+        << "cuBLASLt declined the addend (C != D) with the BF16 bias epilogue";
+  }
+  EXPECT_TRUE(bitwise_equal(host_args.addend, args.addend)) << "the addend changed";
+
+  Tensor d_cpu = Tensor::empty({M, N}, DType::bf16);
+  gemm(a_host, b_host, d_cpu, host_args);
+  const double tolerance =
+      (is_fp8(in) ? kFastAccumulationRelL2 : kBf16TensorCoreRelL2) + kBf16OutputRelL2;
+  std::vector<double> reference;
+  for (float v : to_floats(d_cpu)) reference.push_back(v);
+  EXPECT_LE(relative_l2(to_floats(d), reference), tolerance);
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpt2Proj, GemmCudaAddend, ::testing::Values(DType::e4m3, DType::bf16),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return std::string(dtype_name(info.param));
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Determinism: with determinism on, a split-K-prone shape (tiny M and N, huge K) gives the same
@@ -353,15 +465,21 @@ TEST_P(GemmCudaDeterminism, RepeatedRunsAreBitwiseIdentical) {
     b = operand(testing::random_tensor({N, K}, in, seed + 1).to(kGpu), true);
   }
   DeterministicScope deterministic;
-  std::vector<Tensor> runs;
-  for (int r = 0; r < kRuns; ++r) {
-    runs.push_back(Tensor::empty({M, N}, DType::f32, kGpu));
-    cuda::gemm(a, b, runs.back(), {}, {M, N, K});
-  }
-  for (float v : to_floats(runs[0])) ASSERT_TRUE(std::isfinite(v));
-  for (int r = 1; r < kRuns; ++r) {
-    SCOPED_TRACE("run " + std::to_string(r));
-    EXPECT_TRUE(bitwise_equal(runs[0], runs[r]));
+  // Plain, then with an addend (its own algorithm, and the addend read in the epilogue).
+  GemmArgs with_addend;
+  with_addend.addend = testing::random_tensor({M, N}, DType::f32, seed + 2).to(kGpu);
+  for (const GemmArgs& args : {GemmArgs{}, with_addend}) {
+    SCOPED_TRACE(args.addend.defined() ? "with an addend" : "plain");
+    std::vector<Tensor> runs;
+    for (int r = 0; r < kRuns; ++r) {
+      runs.push_back(Tensor::empty({M, N}, DType::f32, kGpu));
+      cuda::gemm(a, b, runs.back(), args, {M, N, K});
+    }
+    for (float v : to_floats(runs[0])) ASSERT_TRUE(std::isfinite(v));
+    for (int r = 1; r < kRuns; ++r) {
+      SCOPED_TRACE("run " + std::to_string(r));
+      EXPECT_TRUE(bitwise_equal(runs[0], runs[r]));
+    }
   }
 }
 

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "octet/fp8/format.h"
+#include "octet/ops/activation.h"
 #include "ops/op_check.h"
 #include "test_util.h"
 
@@ -84,8 +85,8 @@ constexpr int64_t kMaxSampledRows = 64;
 enum class Operands { f32, bf16, e4m3_e4m3, e4m3_e5m2, e5m2_e4m3 };
 /// FP8 scaling of A x B; `none` for dense operands.
 enum class Scaling { none, per_tensor, block_1x128_128x128, block_1x128_1x128, mxfp8 };
-/// alpha, beta and bias variants.
-enum class Epilogue { plain, alpha, bias, full };
+/// alpha, beta, bias and addend variants.
+enum class Epilogue { plain, alpha, bias, full, addend, addend_bias };
 enum class Values { integer, random };
 
 struct Dims {
@@ -141,6 +142,7 @@ struct EpilogueArgs {
   float alpha = 1.0f, beta = 0.0f;
   bool has_bias = false;
   DType bias_dtype = DType::f32;
+  bool has_addend = false;  ///< GemmArgs::addend, in D's dtype
 };
 
 /// Powers of two keep integer cases exact; a negative alpha checks the sign path.
@@ -154,6 +156,10 @@ EpilogueArgs epilogue_args(Epilogue e) {
       return {1.0f, 0.0f, true, DType::f32};
     case Epilogue::full:
       return {0.5f, 2.0f, true, DType::bf16};
+    case Epilogue::addend:
+      return {1.0f, 0.0f, false, DType::f32, true};
+    case Epilogue::addend_bias:
+      return {-0.5f, 0.0f, true, DType::bf16, true};
   }
   return {};
 }
@@ -162,7 +168,8 @@ std::string case_name(const GemmCase& c) {
   static constexpr const char* kOperands[] = {"f32", "bf16", "e4m3xe4m3", "e4m3xe5m2", "e5m2xe4m3"};
   static constexpr const char* kScaling[] = {"", "_pertensor", "_1x128x128x128", "_1x128x1x128",
                                              "_mxfp8"};
-  static constexpr const char* kEpilogue[] = {"plain", "alpha", "bias", "alphabetabias"};
+  static constexpr const char* kEpilogue[] = {"plain",         "alpha",  "bias",
+                                              "alphabetabias", "addend", "alphabiasaddend"};
   std::ostringstream out;
   out << (c.backend.is_cpu() ? "cpu" : "cuda" + std::to_string(c.backend.index)) << "_"
       << kOperands[static_cast<int>(c.operands)] << kScaling[static_cast<int>(c.scaling)] << "_to"
@@ -184,8 +191,9 @@ std::vector<GemmCase> parity_cases() {
       {1, 3221, 7}, {2333, 1, 19}, {7, 129, 3221}, {1481, 677, 333}};
   const std::vector<Dims> fp8_dims = {{16, 16, 16}, {128, 256, 384}, {272, 144, 400}};
   const Dims large = {16384, 8192, 8192};  // CUDA only, sampled rows
-  const std::array<Epilogue, 4> epilogues = {Epilogue::plain, Epilogue::alpha, Epilogue::bias,
-                                             Epilogue::full};
+  const std::array<Epilogue, 6> epilogues = {Epilogue::plain,  Epilogue::alpha,
+                                             Epilogue::bias,   Epilogue::full,
+                                             Epilogue::addend, Epilogue::addend_bias};
   std::vector<GemmCase> cases;
   size_t cycle = 0;
   auto add = [&](GemmCase c) {
@@ -375,15 +383,24 @@ std::vector<int64_t> checked_rows(const Dims& dims, uint64_t seed) {
   return rows;
 }
 
+/// The value a `dtype` D holds for the exact result v.
+float stored_value(double v, DType dtype) {
+  const auto f = static_cast<float>(v);
+  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(f)) : f;
+}
+
 /// The reference, independent of the backends: op(A) x op(B) summed in double, then
-/// alpha * sum + beta * D_old + bias in double. Returns [rows.size(), n].
+/// alpha * sum + beta * D_old + bias in double; with an addend (the rows of `addend`),
+/// stored(alpha * sum) + bias + addend, the product rounded to `out` first as docs/NUMERICS.md
+/// specifies. Returns [rows.size(), n].
 std::vector<double> reference(const TestOperand& a, const TestOperand& b, const Dims& dims,
                               const std::vector<int64_t>& rows, const EpilogueArgs& e,
-                              const std::vector<float>& d_old, const std::vector<float>& bias) {
+                              const std::vector<float>& d_old, const std::vector<float>& bias,
+                              const std::vector<float>& addend = {}, DType out = DType::f32) {
   const int64_t n = dims.n, k = dims.k, r = static_cast<int64_t>(rows.size());
   std::vector<double> a_rows(static_cast<size_t>(r * k));  // rows of op(A), [r, k]
   std::vector<double> bt(static_cast<size_t>(n * k));      // op(B)^T, [n, k]
-  std::vector<double> out(static_cast<size_t>(r * n));
+  std::vector<double> result(static_cast<size_t>(r * n));
 #pragma omp parallel
   {
 #pragma omp for schedule(static) nowait
@@ -398,12 +415,14 @@ std::vector<double> reference(const TestOperand& a, const TestOperand& b, const 
       double sum = 0;
       for (int64_t kk = 0; kk < k; ++kk) sum += a_rows[i * k + kk] * bt[j * k + kk];
       double v = double{e.alpha} * sum;
+      if (e.has_addend) v = stored_value(v, out);
       if (e.beta != 0.0f) v += double{e.beta} * d_old[ij];
       if (e.has_bias) v += bias[j];
-      out[ij] = v;
+      if (e.has_addend) v += addend[ij];
+      result[ij] = v;
     }
   }
-  return out;
+  return result;
 }
 
 /// The rows of a [m, n] tensor (any device) as floats, concatenated.
@@ -417,12 +436,6 @@ std::vector<float> rows_of(const Tensor& t, const std::vector<int64_t>& rows) {
   return out;
 }
 
-/// The value a `dtype` D holds for the exact result v.
-float stored_value(double v, DType dtype) {
-  const auto f = static_cast<float>(v);
-  return dtype == DType::bf16 ? fp8::decode_bf16(fp8::encode_bf16(f)) : f;
-}
-
 /// ||actual - reference|| / ||reference||, in double.
 double relative_l2(const std::vector<float>& actual, const std::vector<double>& reference) {
   double num = 0, den = 0;
@@ -434,20 +447,27 @@ double relative_l2(const std::vector<float>& actual, const std::vector<double>& 
   return std::sqrt(num / den);
 }
 
-/// Bit-exact comparison of floats. `zero_sign_free`: +0 and -0 count as equal (the sign of an
-/// exact zero sum depends on the accumulation order, which the contract fixes only for the CPU).
+/// The BF16 values (as doubles) that rounding v to nearest may give: the nearest one, or both
+/// neighbours when v lies exactly halfway and `either_tie`.
+std::vector<double> bf16_roundings(double v, bool either_tie) {
+  const auto f = static_cast<float>(v);          // every tie of an integer result fits in f32
+  constexpr uint32_t kDropped = (1u << 16) - 1;  // the bits BF16 drops
+  constexpr uint32_t kHalf = 1u << 15;
+  const uint32_t bits = fp8::float_bits(f);
+  if (!either_tie || static_cast<double>(f) != v || (bits & kDropped) != kHalf)
+    return {stored_value(v, DType::bf16)};
+  const uint32_t below = bits & ~kDropped;  // toward zero
+  return {fp8::bits_float(below), fp8::bits_float(below + (1u << 16))};
+}
+
 /// True when the exact value v lies exactly halfway between two BF16 values and `actual` is one
 /// of them (round-to-nearest with the tie broken either way).
 bool is_bf16_tie_neighbour(float actual, double v) {
-  const auto f = static_cast<float>(v);
-  if (static_cast<double>(f) != v) return false;  // every tie of an integer result fits in f32
-  const uint32_t bits = fp8::float_bits(f);
-  constexpr uint32_t kDropped = (1u << 16) - 1;  // the bits BF16 drops
-  constexpr uint32_t kHalf = 1u << 15;
-  if ((bits & kDropped) != kHalf) return false;
-  const uint32_t below = bits & ~kDropped;  // toward zero
+  const std::vector<double> roundings = bf16_roundings(v, /*either_tie=*/true);
+  if (roundings.size() != 2) return false;
   const uint32_t a = fp8::float_bits(actual);
-  return a == below || a == below + (1u << 16);
+  return a == fp8::float_bits(static_cast<float>(roundings[0])) ||
+         a == fp8::float_bits(static_cast<float>(roundings[1]));
 }
 
 /// The spacing of BF16 values at |x| (x != 0): 2^(exponent - 7).
@@ -455,18 +475,33 @@ double bf16_ulp(double x) { return std::ldexp(1.0, std::ilogb(x) - 7); }
 
 /// How a GEMM's output is compared with the exact result of integer-valued inputs.
 enum class Exactness {
-  bits,            ///< bit-exact
-  zero_sign_free,  ///< bit-exact, but +0 and -0 are equal (the contract fixes the sign of an
-                   ///< exact zero on the CPU only)
-  bf16_ties_free,  ///< as zero_sign_free, and a BF16 value exactly halfway between two BF16
-                   ///< neighbours may round to either: on the H200 (2026-11-30) cuBLASLt's
-                   ///< BF16-output GEMMs round 0.1% to 4% of integer-valued results that way,
-                   ///< i.e. not always to even (FP32 outputs are bit-exact)
+  bits,                  ///< bit-exact
+  zero_sign_free,        ///< bit-exact, but +0 and -0 are equal (the contract fixes the sign of an
+                         ///< exact zero on the CPU only)
+  bf16_ties_free,        ///< as zero_sign_free, and a BF16 value exactly halfway between two BF16
+                         ///< neighbours may round to either: on the H200 (2026-11-30) cuBLASLt's
+                         ///< BF16-output GEMMs round 0.1% to 4% of integer-valued results that way,
+                         ///< i.e. not always to even (FP32 outputs are bit-exact)
   bf16_rounded_product,  ///< as bf16_ties_free, for epilogues that add a bias or beta * D:
                          ///< cuBLASLt's BF16 epilogues (H200, 2026-11-30) behave as if the
                          ///< product were rounded to BF16 before the addition, so the result may
                          ///< be off by half a BF16 ulp of the product plus one of the result
+  bf16_addend_ties_free,  ///< with an addend, whose reference rounds the product to BF16 first:
+                          ///< bit-exact, except that the product's rounding and the result's may
+                          ///< each break an exact tie either way (as in bf16_ties_free)
 };
+
+/// True when `actual` is bf16(q + rest) for a rounding q of `product`, each rounding to nearest
+/// with ties broken either way (Exactness::bf16_addend_ties_free).
+bool is_rounded_product_sum(float actual, double product, double rest) {
+  for (double q : bf16_roundings(product, true)) {
+    for (double r : bf16_roundings(q + rest, true)) {
+      if (fp8::float_bits(actual) == fp8::float_bits(static_cast<float>(r))) return true;
+      if (actual == 0.0f && r == 0.0) return true;
+    }
+  }
+  return false;
+}
 
 /// Compares `actual` with `exact` (double) rounded once to `out`. `product`: the exact alpha * A B
 /// before the epilogue's additions (bf16_rounded_product only).
@@ -483,6 +518,11 @@ enum class Exactness {
     if (exactness == Exactness::bf16_ties_free && is_bf16_tie_neighbour(actual[i], exact[i])) {
       ++ties;
       continue;
+    }
+    if (exactness == Exactness::bf16_addend_ties_free) {
+      // exact = bf16(product) + rest exactly (integers), so rest is recovered without rounding.
+      const double rest = exact[i] - stored_value(product[i], DType::bf16);
+      if (is_rounded_product_sum(actual[i], product[i], rest)) continue;
     }
     if (exactness == Exactness::bf16_rounded_product) {
       const double p = product[i] == 0 ? 0 : bf16_ulp(product[i]) / 2;
@@ -502,10 +542,13 @@ enum class Exactness {
 }
 
 /// The comparison a backend is held to for integer-valued inputs; `epilogue_adds`: the GEMM adds
-/// a bias or beta * D to the product.
-Exactness integer_exactness(const Device& backend, DType out, bool epilogue_adds) {
+/// a bias or beta * D to the product; `addend`: it adds an addend (the reference then rounds the
+/// product first, as the contract does).
+Exactness integer_exactness(const Device& backend, DType out, bool epilogue_adds,
+                            bool addend = false) {
   if (!backend.is_cuda()) return Exactness::bits;
   if (out != DType::bf16) return Exactness::zero_sign_free;
+  if (addend) return Exactness::bf16_addend_ties_free;
   return epilogue_adds ? Exactness::bf16_rounded_product : Exactness::bf16_ties_free;
 }
 
@@ -518,6 +561,10 @@ double random_tolerance(const GemmCase& c) {
                 : c.operands == Operands::bf16       ? kTensorCoreRelL2
                                                      : kFp8TensorCoreRelL2;
   if (c.out == DType::bf16) tolerance += kBf16OutputRelL2;
+  // With an addend the product is rounded to BF16 as well, in the reference and the backend
+  // alike; when the backend's sum and the exact one straddle a rounding boundary that rounding
+  // lands on the other side, which costs at most one more BF16 rounding of the product.
+  if (c.out == DType::bf16 && epilogue_args(c.epilogue).has_addend) tolerance += kBf16OutputRelL2;
   return tolerance;
 }
 
@@ -556,28 +603,41 @@ TEST_P(GemmParity, MatchesReference) {
                     : octet::testing::random_tensor({dims.n}, e.bias_dtype, seed + 4);
     bias = octet::testing::to_floats(bias_host);
   }
+  // An addend in D's dtype; D itself then starts as NaN (beta is 0), so reading it would show.
+  Tensor addend_host;
+  if (e.has_addend) {
+    addend_host = c.values == Values::integer
+                      ? octet::testing::random_int_tensor({dims.m, dims.n}, c.out, seed + 6)
+                      : octet::testing::random_tensor({dims.m, dims.n}, c.out, seed + 6);
+  }
 
   GemmArgs args;
   args.alpha = e.alpha;
   args.beta = e.beta;
   args.accumulation = c.accumulation;
   if (e.has_bias) args.bias = bias_host.to(c.backend);
+  if (e.has_addend) args.addend = addend_host.to(c.backend);
   const Tensor d = d_host.to(c.backend);
   gemm(a.on(c.backend), b.on(c.backend), d, args);
+  if (e.has_addend) {
+    EXPECT_TRUE(octet::testing::bitwise_equal(addend_host, args.addend)) << "the addend changed";
+  }
 
   const std::vector<int64_t> rows = checked_rows(dims, seed + 5);
   const std::vector<float> actual = rows_of(d, rows);
-  const std::vector<double> ref = reference(
-      a, b, dims, rows, e, e.beta != 0.0f ? rows_of(d_host, rows) : std::vector<float>{}, bias);
+  const std::vector<double> ref =
+      reference(a, b, dims, rows, e, e.beta != 0.0f ? rows_of(d_host, rows) : std::vector<float>{},
+                bias, e.has_addend ? rows_of(addend_host, rows) : std::vector<float>{}, c.out);
   for (float v : actual) ASSERT_FALSE(std::isnan(v)) << "D holds NaN";
 
   if (c.values == Values::integer) {
-    const bool adds = e.has_bias || e.beta != 0.0f;
+    const bool adds = e.has_bias || e.beta != 0.0f || e.has_addend;
     const std::vector<double> product =
         adds ? reference(a, b, dims, rows, EpilogueArgs{.alpha = e.alpha}, {}, {})
              : std::vector<double>{};
-    EXPECT_TRUE(exactly_equal(actual, ref, c.out, integer_exactness(c.backend, c.out, adds), rows,
-                              dims.n, product));
+    EXPECT_TRUE(exactly_equal(actual, ref, c.out,
+                              integer_exactness(c.backend, c.out, adds, e.has_addend), rows, dims.n,
+                              product));
     return;
   }
   EXPECT_LE(relative_l2(actual, ref), random_tolerance(c));
@@ -763,6 +823,60 @@ TEST(GemmCpuContract, EpilogueIsAlphaAccThenBetaDThenBias) {
   EXPECT_EQ(cpu_dot({1.0f, 2.0f}, {1.0f, 1.0f}, args, 1.25f), 4.0f);
 }
 
+TEST(GemmCpuContract, AddendJoinsAfterTheBias) {
+  // 1 + 2^24 rounds to 2^24 (a tie, to even), then the addend -2^24 gives 0; adding the addend
+  // before the bias would give 1.
+  GemmArgs args;
+  args.bias = Tensor::from_vector({kTwo24}, {1});
+  args.addend = Tensor::from_vector({-kTwo24}, {1, 1});
+  EXPECT_EQ(fp8::float_bits(cpu_dot({1.0f}, {1.0f}, args)), fp8::float_bits(0.0f));
+}
+
+TEST(GemmCpuContract, AddendOnAnF32OutputIsTheGemmThenAnAdd) {
+  // For an f32 D, rounding the product to D's dtype changes nothing, and the addend joins last:
+  // bitwise the GEMM with its bias followed by ops::add, on random inputs.
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  constexpr int64_t kM = 37, kN = 45, kK = 301;  // partial micro-tiles and K slices
+  const GemmOperand a =
+      GemmOperand::dense(octet::testing::random_tensor({kM, kK}, DType::f32, seed));
+  const GemmOperand b =
+      GemmOperand::dense(octet::testing::random_tensor({kN, kK}, DType::f32, seed + 1), true);
+  GemmArgs args;
+  args.alpha = 0.75f;
+  args.bias = octet::testing::random_tensor({kN}, DType::f32, seed + 2);
+  const Tensor addend = octet::testing::random_tensor({kM, kN}, DType::f32, seed + 3, 8.0f);
+  const Tensor separate = Tensor::empty({kM, kN}, DType::f32);
+  gemm(a, b, separate, args);
+  add(separate, addend, separate);
+  args.addend = addend;
+  const Tensor fused = Tensor::empty({kM, kN}, DType::f32);
+  gemm(a, b, fused, args);
+  EXPECT_TRUE(octet::testing::bitwise_equal(separate, fused));
+}
+
+TEST(GemmCpuContract, AddendRoundsABf16ProductFirst) {
+  // acc = 257 lies halfway between the BF16 values 256 and 258 and rounds to even, 256, so with
+  // the addend -256 a BF16 D holds 0 (the product is rounded to D's dtype before bias and addend
+  // join it); without that rounding it would hold 1. A bias of -256 without an addend keeps the
+  // single rounding: 1.
+  const GemmOperand a = GemmOperand::dense(Tensor::from_vector({1.0f, 1.0f}, {1, 2}));
+  const GemmOperand b = GemmOperand::dense(Tensor::from_vector({256.0f, 1.0f}, {2, 1}));
+  constexpr float kMinus256 = -256.0f;
+  auto run = [&](const GemmArgs& args) {
+    const Tensor d = Tensor::empty({1, 1}, DType::bf16);
+    gemm(a, b, d, args);
+    return octet::testing::to_floats(d)[0];
+  };
+  GemmArgs with_addend;
+  with_addend.addend = Tensor::empty({1, 1}, DType::bf16);
+  static_cast<uint16_t*>(with_addend.addend.raw_data())[0] = fp8::encode_bf16(kMinus256);
+  EXPECT_EQ(run(with_addend), 0.0f);
+  GemmArgs with_bias;
+  with_bias.bias = Tensor::from_vector({kMinus256}, {1});
+  EXPECT_EQ(run(with_bias), 1.0f);
+}
+
 TEST(GemmCpuContract, Fp8ValueIsDecodedTimesScaleOfItsBlock) {
   // A [16, 256] block_1x128 x B [16, 256] block_128x128: every A byte encodes 1, every B byte 2;
   // A's scales differ per (row, 128-block), B's per 128x128 tile, so D[m, n] is
@@ -868,6 +982,38 @@ TEST(GemmErrors, WrongOutputAndBiasShapes) {
         gemm(a, b, Tensor::empty({4, 3}, DType::f32), args);
       },
       {"bias shape: expected [3]", "f32[4]"});
+}
+
+TEST(GemmErrors, AddendMustMatchDAndStayApartFromIt) {
+  const GemmOperand a = GemmOperand::dense(f32_matrix({4, 5}));
+  const GemmOperand b = GemmOperand::dense(f32_matrix({5, 3}));
+  const Tensor d = Tensor::empty({4, 3}, DType::f32);
+  GemmArgs args;
+  args.addend = f32_matrix({3, 4});
+  expect_error([&] { gemm(a, b, d, args); }, {"addend shape: expected [4, 3]", "got f32[3, 4]"});
+  args.addend = octet::testing::random_tensor({4, 3}, DType::bf16, fresh_seed());
+  expect_error([&] { gemm(a, b, d, args); },
+               {"addend dtype: expected D's dtype f32", "got bf16[4, 3]"});
+  args.addend = f32_matrix({4, 3});
+  args.beta = 1.0f;
+  expect_error([&] { gemm(a, b, d, args); }, {"an addend and beta = 1 are exclusive"});
+  args.beta = 0.0f;
+  args.addend = d;
+  expect_error([&] { gemm(a, b, d, args); },
+               {"must not share memory with D", "f32[4, 3]", "use beta = 1"});
+  // Rows 1..4 of one buffer as the addend, rows 0..3 as D: a partial overlap.
+  const Tensor buffer = Tensor::zeros({8, 3}, DType::f32);
+  args.addend = buffer.slice(1, 5);
+  expect_error([&] { gemm(a, b, buffer.slice(0, 4), args); }, {"must not share memory with D"});
+  // Adjacent rows of the same buffer are apart: D = A B + addend.
+  const Tensor addend_values = f32_matrix({4, 3});
+  Tensor(buffer.slice(4, 8)).copy_from(addend_values);
+  args.addend = buffer.slice(4, 8);
+  gemm(a, b, buffer.slice(0, 4), args);
+  const Tensor product = Tensor::empty({4, 3}, DType::f32);
+  gemm(a, b, product);
+  add(product, addend_values, product);
+  EXPECT_TRUE(octet::testing::bitwise_equal(product, buffer.slice(0, 4)));
 }
 
 TEST(GemmErrors, UnsupportedDtypes) {
@@ -1020,6 +1166,13 @@ TEST(GemmErrors, TensorsOnDifferentDevices) {
         gemm(a, b, Tensor::empty({4, 3}, DType::f32), args);
       },
       {"all tensors must be on one device", "f32[3] on cuda:0"});
+  GemmArgs addend_elsewhere;
+  addend_elsewhere.addend = f32_matrix({4, 3}).to(gpu);
+  expect_error(
+      [&] {
+        gemm(a, b, Tensor::empty({4, 3}, DType::f32), addend_elsewhere);
+      },
+      {"all tensors must be on one device", "f32[4, 3] on cuda:0"});
   auto [fa, fb] = fp8_pair(16, 16, 32);
   GemmOperand scales_elsewhere = fa;  // data on the GPU, scale_inv left on the CPU
   scales_elsewhere.data = fa.data.to(gpu);

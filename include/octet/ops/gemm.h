@@ -1,4 +1,5 @@
-// GEMM: D = alpha * op(A) * op(B) + beta * D + bias, row-major, FP32 accumulation.
+// GEMM: D = alpha * op(A) * op(B) + beta * D + bias (+ an addend matrix), row-major, FP32
+// accumulation.
 #pragma once
 
 #include "octet/core/tensor.h"
@@ -27,10 +28,15 @@ struct GemmArgs {
   float alpha = 1.0f;
   float beta = 0.0f;  ///< 1 accumulates into D (gradient accumulation)
   Tensor bias;        ///< optional [N], f32 or bf16, added to every row
+  /// Optional [M, N] matrix in D's dtype, added with weight 1 (cuBLASLt's C with beta = 1, D
+  /// written elsewhere): a residual add fused into the GEMM. It must not share memory with D, and
+  /// it excludes beta != 0 (beta reads D itself; use one or the other). With an addend a bf16 D is
+  /// computed as bf16(bf16(alpha * acc) + bias + addend) (docs/NUMERICS.md, GEMM).
+  Tensor addend;
   Accumulation accumulation = Accumulation::split;
 };
 
-/// D [M, N] (f32 or bf16) = alpha * op(A) [M, K] * op(B) [K, N] + beta * D + bias.
+/// D [M, N] (f32 or bf16) = alpha * op(A) [M, K] * op(B) [K, N] + beta * D + bias + addend.
 ///
 /// Dense operands: any transposes; A and B of one dtype (f32 or bf16).
 /// FP8 operands: both FP8 (e4m3 x e4m3, e4m3 x e5m2 or e5m2 x e4m3), the TN layout Hopper requires

@@ -13,6 +13,12 @@
 //  3. out = alpha * acc; then out = out + beta * D_old when beta != 0 (D_old is not read when
 //     beta == 0, so it may hold garbage); then out = out + bias[n] when a bias is given (a bf16
 //     bias is decoded first). Every step is one f32 operation, in this order.
+//     With an addend C (beta is then 0): out = round_D(alpha * acc), i.e. rounded to D's dtype
+//     (encode_bf16 for a bf16 D, nothing for f32), then out = out + bias[n], then
+//     out = out + C[m, n] (decoded). The extra rounding models cuBLASLt's BF16 epilogue, which
+//     behaves as if the product were rounded before the additions; without an addend the
+//     reference keeps its single rounding (docs/NUMERICS.md). For an f32 D the result is
+//     bitwise that of the GEMM with its bias followed by a separate f32 add of C.
 //  4. D stores out (f32), or encode_bf16(out) (round-to-nearest-even) for a bf16 D.
 // The accumulation mode (fast / split) only concerns tensor cores; it does not change this.
 //
@@ -215,20 +221,28 @@ float load_f32(const void* data, DType dtype, int64_t i) {
                              : fp8::decode_bf16(static_cast<const uint16_t*>(data)[i]);
 }
 
+/// f32 value v as D's dtype would store it (round-to-nearest-even for bf16).
+float round_to(DType dtype, float v) {
+  return dtype == DType::f32 ? v : fp8::decode_bf16(fp8::encode_bf16(v));
+}
+
 /// Contract steps 3 and 4 for rows [m0, m0 + rows) and columns [n0, n0 + cols) of D.
 void epilogue(const float* tile, int64_t rows, int64_t cols, int64_t m0, int64_t n0,
               const Tensor& d, const GemmArgs& args, const std::vector<float>& bias, int64_t n) {
   void* const d_data = d.raw_data();
   const DType d_dtype = d.dtype();
+  const void* const addend = args.addend.defined() ? args.addend.raw_data() : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t i = (m0 + r) * n + (n0 + c);
       float out = args.alpha * tile[r * kNc + c];
+      if (addend != nullptr) out = round_to(d_dtype, out);
       if (args.beta != 0.0f) {
         const float scaled_old = args.beta * load_f32(d_data, d_dtype, i);
         out = out + scaled_old;
       }
       if (!bias.empty()) out = out + bias[n0 + c];
+      if (addend != nullptr) out = out + load_f32(addend, d_dtype, i);
       if (d_dtype == DType::f32) {
         static_cast<float*>(d_data)[i] = out;
       } else {

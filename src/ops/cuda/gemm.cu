@@ -1,6 +1,6 @@
 // CUDA GEMM backend: cuBLASLt for dense (f32, bf16) and FP8 operands with per-tensor or block
-// scales, plus the few small kernels cuBLASLt needs around it (scale layouts, a bias epilogue
-// where cuBLASLt has none, MXFP8 emulation on GPUs without native MXFP8).
+// scales, plus the few small kernels cuBLASLt needs around it (scale layouts, a bias and addend
+// epilogue where cuBLASLt's does not run, MXFP8 emulation on GPUs without native MXFP8).
 //
 // Row-major to column-major: cuBLASLt is column-major, and a row-major [r, c] matrix is the same
 // memory as a column-major [c, r] one. So D = op(A) op(B) (row-major, [M, N]) is computed as
@@ -14,7 +14,7 @@
 // scale-tensor layouts of VEC128_32F, BLK128x128_32F and VEC32_UE8M0; which reduction schemes are
 // deterministic; that block-scaled FP8 kernels do not take fast accumulation; which bias types
 // are allowed (not relied on: the heuristic is asked, and a kernel of ours adds the bias when
-// cuBLASLt declines).
+// cuBLASLt declines); that C may be a matrix other than D (the addend, below).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -135,25 +135,34 @@ __global__ void dequantize_mxfp8_to_bf16_kernel(const uint8_t* q, const uint8_t*
   out[i] = fp8::encode_bf16(value);
 }
 
-// d[row, col] += bias[col] for row-major d [rows, cols], in f32, rounded once to d's dtype: the
-// fallback when cuBLASLt declines the bias epilogue. A thread owns kBiasCols adjacent columns
-// (loading their bias once) of kBiasRows rows, so there is no per-element division.
-constexpr int kBiasCols = 2;
-constexpr int kBiasRows = 8;
-__global__ void add_bias_kernel(void* d, const void* bias, int64_t rows, int64_t cols, bool d_bf16,
-                                bool bias_bf16) {
-  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kBiasCols;
+// d = round_D(round_D(src) + bias[col] + addend) for row-major [rows, cols], in f32 in that
+// order, where round_D rounds to d's dtype: the epilogue when cuBLASLt's does not run (it
+// declined the bias or the addend, or an FP32 GEMM feeds a BF16 D). src is d itself (rounding it
+// again changes nothing) or the FP32 product; bias and addend (d's dtype) are optional. With an
+// addend this is the CPU contract's arithmetic exactly. A thread owns kEpilogueCols adjacent
+// columns (loading their bias once) of kEpilogueRows rows, so there is no per-element division.
+constexpr int kEpilogueCols = 2;
+constexpr int kEpilogueRows = 8;
+__global__ void add_epilogue_kernel(const void* src, bool src_bf16, void* d, bool d_bf16,
+                                    const void* bias, bool bias_bf16, const void* addend,
+                                    int64_t rows, int64_t cols) {
+  const int64_t c0 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kEpilogueCols;
   if (c0 >= cols) return;
-  const int n = cols - c0 < kBiasCols ? static_cast<int>(cols - c0) : kBiasCols;
-  float b[kBiasCols];
-  for (int k = 0; k < n; ++k) b[k] = load_float(bias, c0 + k, bias_bf16);
-  // Grid-stride over groups of kBiasRows rows: gridDim.y is capped at CUDA's 65535.
-  for (int64_t group = blockIdx.y; group * kBiasRows < rows; group += gridDim.y) {
-    const int64_t r1 = min(rows, (group + 1) * kBiasRows);
-    for (int64_t r = group * kBiasRows; r < r1; ++r) {
+  const int n = cols - c0 < kEpilogueCols ? static_cast<int>(cols - c0) : kEpilogueCols;
+  float b[kEpilogueCols] = {};
+  if (bias != nullptr) {
+    for (int k = 0; k < n; ++k) b[k] = load_float(bias, c0 + k, bias_bf16);
+  }
+  // Grid-stride over groups of kEpilogueRows rows: gridDim.y is capped at CUDA's 65535.
+  for (int64_t group = blockIdx.y; group * kEpilogueRows < rows; group += gridDim.y) {
+    const int64_t r1 = min(rows, (group + 1) * kEpilogueRows);
+    for (int64_t r = group * kEpilogueRows; r < r1; ++r) {
       for (int k = 0; k < n; ++k) {
         const int64_t i = r * cols + c0 + k;
-        const float value = load_float(d, i, d_bf16) + b[k];
+        float value = load_float(src, i, src_bf16);
+        if (d_bf16) value = fp8::decode_bf16(fp8::encode_bf16(value));
+        if (bias != nullptr) value = value + b[k];
+        if (addend != nullptr) value = value + load_float(addend, i, d_bf16);
         if (d_bf16) {
           static_cast<uint16_t*>(d)[i] = fp8::encode_bf16(value);
         } else {
@@ -218,14 +227,17 @@ Tensor dequantize_mxfp8(const GemmOperand& x, cudaStream_t stream) {
   return out;
 }
 
-void add_bias(const Tensor& d, const Tensor& bias, int64_t rows, int64_t cols,
-              cudaStream_t stream) {
+/// d [rows, cols] = round_D(round_D(src) + bias + addend) (add_epilogue_kernel); src may be d,
+/// bias and addend may be undefined.
+void add_epilogue(const Tensor& src, const Tensor& d, const Tensor& bias, const Tensor& addend,
+                  int64_t rows, int64_t cols, cudaStream_t stream) {
   constexpr int64_t kMaxGridY = 65535;
-  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(cols, kBiasCols), kThreadsPerBlock)),
-                  static_cast<unsigned>(std::min(ceil_div(rows, kBiasRows), kMaxGridY)));
-  add_bias_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(d.raw_data(), bias.raw_data(), rows, cols,
-                                                         d.dtype() == DType::bf16,
-                                                         bias.dtype() == DType::bf16);
+  const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(cols, kEpilogueCols), kThreadsPerBlock)),
+                  static_cast<unsigned>(std::min(ceil_div(rows, kEpilogueRows), kMaxGridY)));
+  add_epilogue_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(
+      src.raw_data(), src.dtype() == DType::bf16, d.raw_data(), d.dtype() == DType::bf16,
+      bias.defined() ? bias.raw_data() : nullptr, bias.defined() && bias.dtype() == DType::bf16,
+      addend.defined() ? addend.raw_data() : nullptr, rows, cols);
   OCTET_CHECK_LAUNCH();
 }
 
@@ -335,11 +347,13 @@ struct MatmulSpec {
   int8_t fast_accum = -1;       ///< -1: attribute not set (dense and block-scaled operands)
   int32_t bias_type = -1;       ///< -1: no bias
   bool beta_nonzero = false;
+  bool addend = false;  ///< C is the addend, a matrix other than D (read with beta = 1)
   bool deterministic = false;
   uint32_t align_a = 0, align_b = 0, align_d = 0, align_bias = 0;
+  uint32_t align_c = 0;                           ///< the addend's; 0 without one
   uint32_t align_a_scale = 0, align_b_scale = 0;  ///< 0: no scale tensor
 
-  using Key = std::array<int64_t, 21>;
+  using Key = std::array<int64_t, 23>;
   Key key() const {
     return {device->index,
             m,
@@ -355,21 +369,25 @@ struct MatmulSpec {
             fast_accum,
             bias_type,
             beta_nonzero,
+            addend,
             deterministic,
             align_a,
             align_b,
             align_d,
             align_bias,
+            align_c,
             align_a_scale,
             align_b_scale};
   }
 };
 
-/// What the cache remembers per key: the algorithm, or why there is none.
-enum class Outcome : uint8_t { ok, unsupported, no_deterministic_algorithm };
+/// What the cache remembers per key: the algorithm, or why there is none. unfused_addend: cuBLASLt
+/// declined C != D for this key (its heuristic found nothing, or cublasLtMatmul refused it), so
+/// the GEMM runs without bias and addend and add_epilogue adds both.
+enum class Outcome : uint8_t { ok, unsupported, no_deterministic_algorithm, unfused_addend };
 struct Plan {
   Outcome outcome = Outcome::unsupported;
-  bool fused_bias = false;  ///< false with a bias: cuBLASLt declined it, add_bias runs after
+  bool fused_bias = false;  ///< false with a bias: cuBLASLt declined it, add_epilogue runs after
   cublasLtMatmulAlgo_t algo{};
 };
 
@@ -378,6 +396,7 @@ struct PlanCache {
   std::map<MatmulSpec::Key, Plan> plans;
   std::atomic<uint64_t> heuristic_queries{0};
   std::atomic<uint64_t> mxfp8_emulations{0};
+  std::atomic<uint64_t> unfused_addends{0};
 };
 PlanCache& plan_cache() {
   static PlanCache* cache = new PlanCache;  // never destroyed: GEMMs may run during static exit
@@ -389,6 +408,7 @@ struct MatmulArgs {
   const void* a_scale = nullptr;
   const void* b_scale = nullptr;
   const void* bias = nullptr;
+  const void* c = nullptr;  ///< the addend, or D itself (beta accumulates in place)
   void* d = nullptr;
   float alpha = 1.0f, beta = 0.0f;
 };
@@ -397,7 +417,7 @@ struct MatmulArgs {
 /// no allocation and threads never share a descriptor.
 struct Descriptors {
   cublasLtMatmulDescOpaque_t op;
-  cublasLtMatrixLayoutOpaque_t a, b, d;
+  cublasLtMatrixLayoutOpaque_t a, b, c, d;
 };
 
 void init_descriptors(const MatmulSpec& spec, const MatmulArgs& args, bool fused_bias,
@@ -424,9 +444,12 @@ void init_descriptors(const MatmulSpec& spec, const MatmulArgs& args, bool fused
       cublasLtMatrixLayoutInit(&desc.a, spec.a.type, spec.a.rows, spec.a.cols, spec.a.ld));
   OCTET_CHECK_CUBLAS(
       cublasLtMatrixLayoutInit(&desc.b, spec.b.type, spec.b.rows, spec.b.cols, spec.b.ld));
-  // C is D (beta accumulates into D in place): one layout serves both.
-  OCTET_CHECK_CUBLAS(cublasLtMatrixLayoutInit(&desc.d, spec.d_type, static_cast<uint64_t>(spec.m),
-                                              static_cast<uint64_t>(spec.n), spec.m));
+  // C is D (beta accumulates into D in place) or the addend, which has D's dtype, shape and
+  // leading dimension: the same layout either way, initialized twice so C never aliases D's.
+  for (cublasLtMatrixLayoutOpaque_t* layout : {&desc.c, &desc.d}) {
+    OCTET_CHECK_CUBLAS(cublasLtMatrixLayoutInit(layout, spec.d_type, static_cast<uint64_t>(spec.m),
+                                                static_cast<uint64_t>(spec.n), spec.m));
+  }
 }
 
 /// Asks cuBLASLt for its best algorithm. Capability is detected this way only: a status of
@@ -442,7 +465,8 @@ bool query_heuristic(const MatmulSpec& spec, Descriptors& desc, bool restrict_re
   OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
   OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, spec.align_a);
   OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, spec.align_b);
-  OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, spec.align_d);
+  const uint32_t align_c = spec.addend ? spec.align_c : spec.align_d;
+  OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c);
   OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, spec.align_d);
   if (restrict_reductions) {
     OCTET_SET_PREFERENCE(&pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, kAllowedReductions);
@@ -451,7 +475,7 @@ bool query_heuristic(const MatmulSpec& spec, Descriptors& desc, bool restrict_re
   int count = 0;
   plan_cache().heuristic_queries.fetch_add(1, std::memory_order_relaxed);
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      lt.handle, &desc.op, &desc.a, &desc.b, &desc.d, &desc.d, &pref, 1, &result, &count);
+      lt.handle, &desc.op, &desc.a, &desc.b, &desc.c, &desc.d, &pref, 1, &result, &count);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   if (probe && (status == CUBLAS_STATUS_INVALID_VALUE || status == CUBLAS_STATUS_ARCH_MISMATCH)) {
     return false;
@@ -463,7 +487,10 @@ bool query_heuristic(const MatmulSpec& spec, Descriptors& desc, bool restrict_re
 }
 
 /// The first call per key asks the heuristic (with the bias epilogue when there is a bias, and
-/// without it if cuBLASLt declines); later calls reuse the answer.
+/// without it if cuBLASLt declines); later calls reuse the answer. With an addend only the fully
+/// fused form (C = addend, and the bias epilogue when there is a bias) is asked for: anything less
+/// needs a pass over D anyway, and add_epilogue then adds bias and addend with the contract's
+/// rounding (unfused_addend).
 Plan find_plan(const MatmulSpec& spec, const MatmulArgs& args) {
   PlanCache& cache = plan_cache();
   const MatmulSpec::Key key = spec.key();
@@ -475,6 +502,15 @@ Plan find_plan(const MatmulSpec& spec, const MatmulArgs& args) {
   const bool with_bias = spec.bias_type >= 0;
   const bool block_scaled = spec.a.scale_mode > CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F ||
                             spec.b.scale_mode > CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  if (spec.addend) {
+    init_descriptors(spec, args, with_bias, desc);
+    const bool found =
+        query_heuristic(spec, desc, /*restrict_reductions=*/true, /*probe=*/true, plan.algo);
+    plan.outcome = found ? Outcome::ok : Outcome::unfused_addend;
+    plan.fused_bias = found && with_bias;
+    cache.plans.emplace(key, plan);
+    return plan;
+  }
   for (const bool fused_bias : {true, false}) {
     if (fused_bias && !with_bias) continue;
     init_descriptors(spec, args, fused_bias, desc);
@@ -566,6 +602,10 @@ MatmulSpec make_spec(const Device& device, const GemmOperand& a, const GemmOpera
     spec.align_bias = alignment_of(args.bias.raw_data());
   }
   spec.beta_nonzero = args.beta != 0.0f;
+  if (args.addend.defined()) {
+    spec.addend = true;
+    spec.align_c = alignment_of(args.addend.raw_data());
+  }
   spec.deterministic = deterministic();
   spec.align_a = alignment_of(spec.a.data);
   spec.align_b = alignment_of(spec.b.data);
@@ -594,6 +634,43 @@ void throw_no_plan(Outcome outcome, const GemmOperand& a, const GemmOperand& b, 
   OCTET_ERROR("gemm: cuBLASLt on ", gpu, " has no algorithm for ", describe(a, b, d, shape));
 }
 
+/// `args` for the product alone, alpha * op(A) op(B): what add_epilogue completes.
+GemmArgs product_only(const GemmArgs& args) {
+  GemmArgs product = args;
+  product.bias = Tensor();
+  product.addend = Tensor();
+  return product;
+}
+
+/// Remembers that cublasLtMatmul refused the fused addend for `key` (the heuristic offered it).
+void decline_addend(const MatmulSpec::Key& key) {
+  PlanCache& cache = plan_cache();
+  std::lock_guard lock(cache.mutex);
+  cache.plans[key].outcome = Outcome::unfused_addend;
+}
+
+bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                  const GemmArgs& args, const GemmShape& shape);
+
+/// The addend where cuBLASLt's epilogue does not take it: D = alpha * op(A) op(B) rounded to D's
+/// dtype, then add_epilogue adds bias and addend (the contract's arithmetic). The first time it
+/// happens is said on stderr and every time is counted (gemm_unfused_addends), so a slow path is
+/// never silent. Returns run_cublaslt's answer for the product.
+bool run_unfused_addend(const Device& device, const GemmOperand& a, const GemmOperand& b,
+                        const Tensor& d, const GemmArgs& args, const GemmShape& shape) {
+  if (!run_cublaslt(device, a, b, d, product_only(args), shape)) return false;
+  add_epilogue(d, d, args.bias, args.addend, shape.m, shape.n, octet::cuda::stream(device));
+  static std::once_flag note;
+  std::call_once(note, [&] {
+    std::fprintf(stderr,
+                 "octet: cuBLASLt on %s declined a GEMM's addend (C != D) for %s; the addend is "
+                 "added by a separate pass\n",
+                 gpu_name(device).c_str(), describe(a, b, d, shape).c_str());
+  });
+  plan_cache().unfused_addends.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 /// Runs one GEMM through cuBLASLt. Returns false (having enqueued no matmul) only for MXFP8
 /// operands that cuBLASLt cannot multiply natively; every other refusal throws.
 bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
@@ -611,20 +688,35 @@ bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand&
   if (call.b_scale != nullptr) spec.align_b_scale = alignment_of(call.b_scale);
   call.bias = args.bias.defined() ? args.bias.raw_data() : nullptr;
   call.d = d.raw_data();
+  // The addend is C with beta = 1 (validation made args.beta 0); otherwise C is D itself.
+  call.c = spec.addend ? args.addend.raw_data() : call.d;
   call.alpha = args.alpha;
-  call.beta = args.beta;
+  call.beta = spec.addend ? 1.0f : args.beta;
 
   const Plan plan = find_plan(spec, call);
+  if (plan.outcome == Outcome::unfused_addend) {
+    return run_unfused_addend(device, a, b, d, args, shape);
+  }
   if (plan.outcome == Outcome::unsupported && mxfp8) return false;
   if (plan.outcome != Outcome::ok) throw_no_plan(plan.outcome, a, b, d, shape);
 
   Descriptors desc;
   init_descriptors(spec, call, plan.fused_bias, desc);
   const CublasLt& lt = cublaslt(device);
-  OCTET_CHECK_CUBLAS(cublasLtMatmul(lt.handle, &desc.op, &call.alpha, spec.a.data, &desc.a,
-                                    spec.b.data, &desc.b, &call.beta, call.d, &desc.d, call.d,
-                                    &desc.d, &plan.algo, lt.workspace, lt.workspace_bytes, stream));
-  if (args.bias.defined() && !plan.fused_bias) add_bias(d, args.bias, shape.m, shape.n, stream);
+  const cublasStatus_t status = cublasLtMatmul(
+      lt.handle, &desc.op, &call.alpha, spec.a.data, &desc.a, spec.b.data, &desc.b, &call.beta,
+      call.c, &desc.c, call.d, &desc.d, &plan.algo, lt.workspace, lt.workspace_bytes, stream);
+  // The heuristic sees C's layout but not its address, so C != D may still be refused here;
+  // such a refusal enqueues nothing, and the key falls back from now on.
+  if (spec.addend &&
+      (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
+    decline_addend(spec.key());
+    return run_unfused_addend(device, a, b, d, args, shape);
+  }
+  OCTET_CHECK_CUBLAS(status);
+  if (args.bias.defined() && !plan.fused_bias) {
+    add_epilogue(d, d, args.bias, Tensor(), shape.m, shape.n, stream);
+  }
   return true;
 }
 
@@ -658,11 +750,14 @@ uint64_t gemm_heuristic_queries() { return plan_cache().heuristic_queries.load()
 
 uint64_t gemm_mxfp8_emulations() { return plan_cache().mxfp8_emulations.load(); }
 
+uint64_t gemm_unfused_addends() { return plan_cache().unfused_addends.load(); }
+
 void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args,
           const GemmShape& shape) {
   const Device device = common_device(
       {&a.data, &b.data, &d, a.scale_inv.defined() ? &a.scale_inv : nullptr,
-       b.scale_inv.defined() ? &b.scale_inv : nullptr, args.bias.defined() ? &args.bias : nullptr},
+       b.scale_inv.defined() ? &b.scale_inv : nullptr, args.bias.defined() ? &args.bias : nullptr,
+       args.addend.defined() ? &args.addend : nullptr},
       "gemm");
   OCTET_CHECK(device.is_cuda(), "gemm (CUDA): tensors must be on a GPU, got ", device);
   DeviceGuard guard(device);
@@ -674,9 +769,16 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
   }
   if (a.data.dtype() == DType::f32 && d.dtype() == DType::bf16) {
     // cuBLASLt's FP32 GEMM writes FP32 only: go through an FP32 D and round to BF16 once at the
-    // end, as the CPU reference does.
+    // end, as the CPU reference does. With an addend the contract rounds the product first, so
+    // the FP32 GEMM computes the product alone and add_epilogue does the rest.
     const Tensor d_bf16 = d.view({shape.m, shape.n});
     Tensor d_f32 = Tensor::empty({shape.m, shape.n}, DType::f32, device);
+    if (args.addend.defined()) {
+      run_cublaslt(device, a, b, d_f32, product_only(args), shape);
+      add_epilogue(d_f32, d_bf16, args.bias, args.addend, shape.m, shape.n,
+                   octet::cuda::stream(device));
+      return;
+    }
     if (args.beta != 0.0f) cast(d_bf16, d_f32);
     run_cublaslt(device, a, b, d_f32, args, shape);
     cast(d_f32, d_bf16);
