@@ -27,11 +27,15 @@ void check_f32(const Tensor& t, const char* op, const char* name, const Shape& s
               ", got ", t.describe());
 }
 
-/// x and y of a norm forward (same dtype and shape), gamma (and beta) f32 [cols], eps.
+/// x and y of a norm forward (same dtype and shape; y may be undefined when a fused FP8 output
+/// is given), gamma (and beta) f32 [cols], eps.
 void check_forward(const char* op, const Tensor& x, const Tensor& gamma, const Tensor* beta,
-                   float eps, const Tensor& y) {
+                   float eps, const Tensor& y, const FusedQuantize* fused) {
   check_float_activation(x, op, "x");
-  check_like(y, x, op, "y", "x");
+  OCTET_CHECK(y.defined() || fused != nullptr, op,
+              ": y is an undefined tensor; expected y like x (", x.describe(),
+              "), or a fused FP8 output when only that is wanted");
+  if (y.defined()) check_like(y, x, op, "y", "x");
   check_f32(gamma, op, "gamma", {x.cols()});
   if (beta != nullptr) check_f32(*beta, op, "beta", {x.cols()});
   OCTET_CHECK(std::isfinite(eps) && eps >= 0.0f, op, ": eps must be finite and >= 0, got ", eps);
@@ -46,6 +50,12 @@ void check_backward(const char* op, const Tensor& dy, const Tensor& x, const Ten
   check_f32(gamma, op, "gamma", {x.cols()});
   check_f32(dgamma, op, "dgamma", {x.cols()});
   if (dbeta != nullptr) check_f32(*dbeta, op, "dbeta", {x.cols()});
+}
+
+/// y, or (y undefined: only the fused FP8 output is wanted) a stream-ordered scratch like x that
+/// the backend may leave unwritten when its kernel writes every FP8 copy.
+Tensor output_or_scratch(const Tensor& y, const Tensor& x) {
+  return y.defined() ? y : Tensor::empty(x.shape(), x.dtype(), x.device());
 }
 
 }  // namespace
@@ -63,7 +73,7 @@ void check_like(const Tensor& t, const Tensor& like, const char* op, const char*
 }
 
 FusedPlan::FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& device,
-                     const char* op)
+                     const char* op, bool y_wanted)
     : fused_(fused) {
   if (fused == nullptr) return;
   OCTET_CHECK(fused->out != nullptr, op,
@@ -87,20 +97,25 @@ FusedPlan::FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& 
 
   kernel_cast_.data = static_cast<uint8_t*>(q.data.raw_data());
   kernel_cast_.scale_inv = q.scale_inv.data<float>();
+  if (q.has_columnwise()) {
+    kernel_cast_.data_t = static_cast<uint8_t*>(q.data_t.raw_data());
+    if (q.scale_inv_t.raw_data() != q.scale_inv.raw_data())
+      kernel_cast_.scale_inv_t = q.scale_inv_t.data<float>();
+  }
   kernel_cast_.scale = args.scale.data<float>();
-  // With a transposed copy to follow, the amax waits for it: published after every FP8 store.
-  kernel_cast_.amax =
-      args.amax.defined() && !q.has_columnwise() ? args.amax.data<float>() : nullptr;
+  kernel_cast_.amax = args.amax.defined() ? args.amax.data<float>() : nullptr;
   kernel_cast_.dtype = q.dtype;
+  // Column sums are taken from y after the kernel, so they need it written.
+  kernel_cast_.y_wanted = y_wanted || args.column_sums.defined();
 }
 
-void FusedPlan::finish(const Tensor& y) const {
+void FusedPlan::finish(const Tensor& y, bool transposed_written) const {
   if (fused_ == nullptr) return;
   if (!kernel_cast_.enabled()) {
     quantize(y, *fused_->out, fused_->args);
     return;
   }
-  if (fused_->out->has_columnwise()) {
+  if (fused_->out->has_columnwise() && !transposed_written) {
     // The kernel wrote the row-wise copy; the transposed copy needs all of y, so the quantize op
     // writes it (sharing the per-tensor scale) and then records the amax and column sums.
     QuantizedTensor columnwise = *fused_->out;
@@ -119,18 +134,21 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const Tensor& y, const Tensor& mean, const Tensor& rstd,
                        const FusedQuantize* fused) {
   constexpr const char* op = "layernorm_forward";
-  check_forward(op, x, gamma, &beta, eps, y);
+  check_forward(op, x, gamma, &beta, eps, y, fused);
   check_f32(mean, op, "mean", {x.rows()});
   check_f32(rstd, op, "rstd", {x.rows()});
-  const Device device = common_device({&x, &gamma, &beta, &y, &mean, &rstd}, op);
-  const FusedPlan plan(fused, y, device, op);
+  const Device device =
+      common_device({&x, &gamma, &beta, y.defined() ? &y : nullptr, &mean, &rstd}, op);
+  const Tensor out = output_or_scratch(y, x);
+  const FusedPlan plan(fused, out, device, op, y.defined());
+  bool transposed_written = false;
   dispatch(
-      device, op, [&] { cpu::layernorm_forward(x, gamma, beta, eps, y, mean, rstd); },
+      device, op, [&] { cpu::layernorm_forward(x, gamma, beta, eps, out, mean, rstd); },
       [&] {
-        OCTET_CUDA_ONLY(
-            cuda::layernorm_forward(x, gamma, beta, eps, y, mean, rstd, plan.kernel_cast()));
+        OCTET_CUDA_ONLY(transposed_written = cuda::layernorm_forward(x, gamma, beta, eps, out, mean,
+                                                                     rstd, plan.kernel_cast()));
       });
-  plan.finish(y);
+  plan.finish(out, transposed_written);
 }
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
@@ -156,14 +174,19 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, 
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedQuantize* fused) {
   constexpr const char* op = "rmsnorm_forward";
-  check_forward(op, x, gamma, nullptr, eps, y);
+  check_forward(op, x, gamma, nullptr, eps, y, fused);
   check_f32(rstd, op, "rstd", {x.rows()});
-  const Device device = common_device({&x, &gamma, &y, &rstd}, op);
-  const FusedPlan plan(fused, y, device, op);
+  const Device device = common_device({&x, &gamma, y.defined() ? &y : nullptr, &rstd}, op);
+  const Tensor out = output_or_scratch(y, x);
+  const FusedPlan plan(fused, out, device, op, y.defined());
+  bool transposed_written = false;
   dispatch(
-      device, op, [&] { cpu::rmsnorm_forward(x, gamma, eps, y, rstd); },
-      [&] { OCTET_CUDA_ONLY(cuda::rmsnorm_forward(x, gamma, eps, y, rstd, plan.kernel_cast())); });
-  plan.finish(y);
+      device, op, [&] { cpu::rmsnorm_forward(x, gamma, eps, out, rstd); },
+      [&] {
+        OCTET_CUDA_ONLY(transposed_written =
+                            cuda::rmsnorm_forward(x, gamma, eps, out, rstd, plan.kernel_cast()));
+      });
+  plan.finish(out, transposed_written);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,

@@ -47,7 +47,10 @@ struct MatrixShape {
   int64_t rows, cols;
 };
 /// TE's awkward shapes (2333x1: a norm over one column), and a GPT-2 small activation.
-const std::vector<MatrixShape> kShapes = {{1, 3221}, {2333, 1}, {1481, 677}, {64, 768}};
+/// Awkward shapes for the general kernels; {64, 768}, {77, 264} and {160, 1600} are rows that fit
+/// a warp's registers (the CUDA warp-row kernels), with a partial 32-row tile for 77 rows.
+const std::vector<MatrixShape> kShapes = {{1, 3221}, {2333, 1}, {1481, 677},
+                                          {64, 768}, {77, 264}, {160, 1600}};
 
 struct NormCase {
   Device backend;
@@ -305,10 +308,13 @@ TEST_P(NormParity, FusedCastMatchesUnfused) {
   const Tensor x = on(in.x, p.backend), gamma = on(in.gamma, p.backend);
   const Tensor beta = on(in.beta, p.backend);
   const Forward f = alloc_forward(p.norm, x);
+  Forward fp8_only = f;  // no y: only the FP8 copies are wanted
+  fp8_only.y = Tensor();
   for (const testing::FusedCase& c : testing::fused_cases()) {
     testing::expect_fused_matches_unfused(
         p.backend, f.y,
-        [&](const FusedQuantize* fused) { run_forward(p.norm, x, gamma, beta, f, fused); }, c);
+        [&](const FusedQuantize* fused) { run_forward(p.norm, x, gamma, beta, f, fused); }, c,
+        [&](const FusedQuantize* fused) { run_forward(p.norm, x, gamma, beta, fp8_only, fused); });
   }
 }
 
@@ -463,6 +469,8 @@ TEST(NormBadInput, RefusedWithMessages) {
                                rstd);
       },
       {"layernorm_forward", "dtype mismatch: y", "bf16[4, 8]"});
+  expect_error([&] { ops::rmsnorm_forward(x, gamma, kEps, Tensor(), rstd); },
+               {"rmsnorm_forward", "y is an undefined tensor", "or a fused FP8 output"});
   expect_error(
       [&] {
         ops::rmsnorm_forward(Tensor::zeros({4, 8}, DType::e4m3), gamma, kEps, y, rstd);

@@ -16,7 +16,9 @@ struct FusedQuantize {
 
 /// y = (x - mean) * rstd * gamma + beta per row; x, y [rows, cols] f32|bf16 (same dtype); gamma,
 /// beta f32 [cols]; mean, rstd f32 [rows] are written for the backward pass. Statistics in f32:
-/// mean = sum(x)/cols, var = sum((x-mean)^2)/cols, rstd = 1/sqrt(var + eps).
+/// mean = sum(x)/cols, var = sum((x-mean)^2)/cols, rstd = 1/sqrt(var + eps). With `fused`, y's
+/// FP8 copies are written too (as ops::quantize of y would), and y may be undefined: then only
+/// the FP8 copies are produced (the CUDA backend then skips y's stores where it can).
 void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
                        const Tensor& y, const Tensor& mean, const Tensor& rstd,
                        const FusedQuantize* fused = nullptr);
@@ -28,7 +30,8 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, 
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
                         const Tensor& dbeta, const Tensor& residual = Tensor());
 
-/// y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps).
+/// y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps); `fused` and an undefined y as for
+/// layernorm_forward.
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedQuantize* fused = nullptr);
 /// dx; dgamma += sum_rows(dy * x * rstd); `residual` as for layernorm_backward.

@@ -115,17 +115,19 @@ __device__ __forceinline__ Pack<uint8_t, kN> encode_pack(const float (&v)[kN], f
   return q;
 }
 
-/// Rounds v to T and stores it at out[i, i + kN); with the cast on, also its FP8 codes at
-/// cast.data[i, ...) (the cast copy has the output's layout), quantizing the value as stored,
-/// exactly as ops::quantize would read it back.
+/// Rounds v to T and stores it at out[i, i + kN) (unless out is nullptr: a kernel that writes
+/// every FP8 copy of an unwanted output); with the cast on, also its FP8 codes at cast.data[i,
+/// ...) (the cast copy has the output's layout), quantizing the value as rounded, exactly as
+/// ops::quantize would read it back. Returns the codes (zeros with the cast off).
 template <typename T, int kN>
-__device__ __forceinline__ void store_output(T* out, int64_t i, const float (&v)[kN],
-                                             CastThread& ct) {
+__device__ __forceinline__ Pack<uint8_t, kN> store_output(T* out, int64_t i, const float (&v)[kN],
+                                                          CastThread& ct) {
   Pack<T, kN> o;
 #pragma unroll
   for (int k = 0; k < kN; ++k) o.v[k] = math::from_float<T>(v[k]);
-  store_pack<kN>(out + i, o);
-  if (!ct.cast.enabled()) return;
+  if (out != nullptr) store_pack<kN>(out + i, o);
+  Pack<uint8_t, kN> q{};
+  if (!ct.cast.enabled()) return q;
   float stored[kN];
 #pragma unroll
   for (int k = 0; k < kN; ++k) {
@@ -133,7 +135,9 @@ __device__ __forceinline__ void store_output(T* out, int64_t i, const float (&v)
     const uint32_t bits = fp8::abs_bits(stored[k]);
     ct.amax_bits = bits > ct.amax_bits ? bits : ct.amax_bits;
   }
-  store_pack<kN>(ct.cast.data + i, encode_pack<kN>(stored, ct.scale, ct.cast.dtype));
+  q = encode_pack<kN>(stored, ct.scale, ct.cast.dtype);
+  store_pack<kN>(ct.cast.data + i, q);
+  return q;
 }
 
 /// Ends a fused cast; every thread of the CTA calls it after its last store_output (it contains
@@ -142,7 +146,10 @@ __device__ __forceinline__ void finish_cast(const CastThread& ct, uint32_t* shar
   if (!ct.cast.enabled()) return;  // uniform over the grid
   const uint32_t cta_bits = block_reduce(ct.amax_bits, MaxOp{}, 0u, shared);
   const bool leader = threadIdx.x == 0 && threadIdx.y == 0;
-  if (leader && blockIdx.x == 0) *ct.cast.scale_inv = fp8::scale_inv_of(ct.scale);
+  if (leader && blockIdx.x == 0) {
+    *ct.cast.scale_inv = fp8::scale_inv_of(ct.scale);
+    if (ct.cast.scale_inv_t != nullptr) *ct.cast.scale_inv_t = fp8::scale_inv_of(ct.scale);
+  }
   if (ct.cast.amax == nullptr) return;
   // DESIGN.md rule 1: the FP8 data (and y) must be complete before the amax is published. The
   // barrier waits until every thread of the CTA has issued its stores; the device-scope fence

@@ -2,9 +2,14 @@
 // more, several rows per CTA when rows are short), 16-byte packed loads and stores when the row
 // length and the pointers allow, the scalar formulas of activation_math.h.
 //
-// Forward: the row is read from global memory once, kept as f32 in shared memory when it fits,
-// and reduced twice (mean, then the sum of squares around it), then normalized; the fused FP8
-// cast of y happens in the same pass that stores y.
+// Rows of at most kWarpRowMaxPacks 16-byte packs per lane (2048 bf16 or 1024 f32 columns: every
+// GPT-2 and Llama width octet trains) take the warp-row kernels: one warp per row, the row held
+// in registers, every load issued before the first use, and warp-shuffle reductions with no CTA
+// barrier per row. Longer or unaligned rows take the general kernels below them.
+//
+// Forward: the row is read from global memory once, kept as f32 (registers, or shared memory in
+// the general kernel), and reduced twice (mean, then the sum of squares around it), then
+// normalized; the fused FP8 cast of y happens in the same pass that stores y.
 // Backward: each CTA walks one tile of rows; per row it reduces mean(dxhat) and mean(dxhat *
 // xhat), writes dx, and adds dy * xhat and dy into per-column accumulators in shared memory. A
 // CTA's accumulators go to its own slot of a scratch buffer, and a second kernel sums the slots
@@ -48,6 +53,20 @@ constexpr size_t kStaticSmemReserve = 4 * 1024;
 /// Column sums: a CTA covers 32 columns (one coalesced 128-byte row segment) with
 /// kColumnChunks threads per column, each summing a fixed contiguous chunk of the tiles.
 constexpr int kColumnChunks = 8;
+/// Column sums: tile partials a thread loads before adding them (in tile order).
+constexpr int kColumnLoadsInFlight = 8;
+/// Warp-row kernels: warps per CTA, and the most 16-byte packs a lane holds.
+constexpr int kWarpRowWarps = 8;
+constexpr int kWarpRowMaxPacks = 8;
+/// Warp-row forward with the transposed FP8 copy: rows per CTA tile, so that each column of the
+/// tile is one 32-byte sector of the transposed copy. The tile's codes are staged in shared
+/// memory (32 bytes per column: 51 KB at GPT-2 1.5B's 1600 columns).
+constexpr int kTransposeTileRows = 32;
+/// Warp-row backward: rows per tile (per CTA and dgamma/dbeta partial row). The kernel holds two
+/// rows of up to 8 packs per lane (about 186 registers: one CTA of 8 warps per SM), so 64 rows
+/// give GPT-2's 8192 training rows 128 CTAs, one wave on an H200's 132 SMs, each warp walking 8
+/// rows with 8 KiB of loads in flight; the partials are then 4% of the kernel's traffic.
+constexpr int64_t kWarpRowTileRows = 64;
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -67,6 +86,242 @@ NormLayout layout_for(int64_t cols) {
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
+
+/// Lane `lane`'s packs of a row of `packs` packs: pack i of the lane is row pack lane + 32 i.
+template <int kPacks>
+struct WarpRow {
+  static_assert(kPacks >= 1 && kPacks <= kWarpRowMaxPacks, "packs per lane");
+  int64_t packs;
+  int lane;
+  __device__ bool valid(int i) const { return lane + static_cast<int64_t>(i) * kWarpSize < packs; }
+  __device__ int64_t pack(int i) const { return lane + static_cast<int64_t>(i) * kWarpSize; }
+};
+
+/// Loads the lane's packs of `row` (16-byte loads, all issued before any use); invalid packs
+/// are zeros.
+template <int kPacks, typename T, int kN>
+__device__ __forceinline__ void load_row(const WarpRow<kPacks>& w, const T* row,
+                                         Pack<T, kN> (&v)[kPacks]) {
+#pragma unroll
+  for (int i = 0; i < kPacks; ++i) {
+    if (w.valid(i)) {
+      v[i] = load_pack<kN>(row + w.pack(i) * kN);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) v[i].v[k] = T(0);
+    }
+  }
+}
+
+/// Writes the transposed FP8 copy of a tile of kTransposeTileRows rows from its row-major codes
+/// in shared memory: thread t takes columns t, t + blockDim, ...; each column's 32 codes are
+/// one 32-byte sector of data_t [cols, rows] (two 16-byte stores when the tile is whole and
+/// aligned, else byte stores of the valid rows).
+__device__ __forceinline__ void store_transposed_tile(const uint8_t* stage, uint8_t* data_t,
+                                                      int64_t r0, int64_t rows, int64_t cols) {
+  static_assert(kTransposeTileRows == 32, "a tile column is two 16-byte stores of 8 words");
+  const int64_t valid = min(static_cast<int64_t>(kTransposeTileRows), rows - r0);
+  const bool vec = valid == kTransposeTileRows && rows % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(data_t) % 16 == 0;
+  const int threads = blockDim.x * blockDim.y;
+  for (int64_t c = threadIdx.y * blockDim.x + threadIdx.x; c < cols; c += threads) {
+    uint8_t* dst = data_t + c * rows + r0;
+    if (vec) {
+      uint32_t word[kTransposeTileRows / 4];
+#pragma unroll
+      for (int q = 0; q < kTransposeTileRows / 4; ++q) {
+        // Consecutive threads read consecutive bytes of one tile row: no bank conflicts.
+        word[q] = static_cast<uint32_t>(stage[(4 * q) * cols + c]) |
+                  static_cast<uint32_t>(stage[(4 * q + 1) * cols + c]) << 8 |
+                  static_cast<uint32_t>(stage[(4 * q + 2) * cols + c]) << 16 |
+                  static_cast<uint32_t>(stage[(4 * q + 3) * cols + c]) << 24;
+      }
+      reinterpret_cast<uint4*>(dst)[0] = make_uint4(word[0], word[1], word[2], word[3]);
+      reinterpret_cast<uint4*>(dst)[1] = make_uint4(word[4], word[5], word[6], word[7]);
+    } else {
+      for (int64_t rr = 0; rr < valid; ++rr) dst[rr] = stage[rr * cols + c];
+    }
+  }
+}
+
+/// norm_forward_kernel for rows that fit a warp's registers: block (32, kWarpRowWarps), warp y
+/// normalizes rows y, y + kWarpRowWarps, ... of the CTA's tile (1 row, or kTransposeTileRows /
+/// kWarpRowWarps with kTransposed). Each lane sums its elements in pack order, then a butterfly
+/// sums the lanes: the order depends on the row length only. kTransposed: the cast's transposed
+/// copy too, from the tile's codes staged in dynamic shared memory [kTransposeTileRows, cols];
+/// y is stored only if the cast wants it (FusedCast::y_wanted).
+template <typename T, int kN, int kPacks, bool kRms, bool kTransposed>
+__global__ void __launch_bounds__(kWarpSize* kWarpRowWarps)
+    norm_forward_warp_row_kernel(const T* __restrict__ x, const float* __restrict__ gamma,
+                                 const float* __restrict__ beta, float eps, T* y, float* mean_out,
+                                 float* rstd_out, int64_t rows, int64_t cols, FusedCast cast) {
+  extern __shared__ uint4 stage_raw[];  // kTransposed: the tile's FP8 codes, row-major
+  __shared__ uint32_t amax_scratch[kWarpSize];
+  constexpr int kRowsPerWarp = kTransposed ? kTransposeTileRows / kWarpRowWarps : 1;
+  constexpr int64_t kTileRows = kRowsPerWarp * kWarpRowWarps;
+  uint8_t* stage = reinterpret_cast<uint8_t*>(stage_raw);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  T* y_out = cast.enabled() && !cast.y_wanted ? nullptr : y;
+  const auto add = [](float a, float b) { return a + b; };
+  const float n = static_cast<float>(cols);
+  CastThread ct(cast);
+  for (int j = 0; j < kRowsPerWarp; ++j) {
+    const int tile_row = static_cast<int>(threadIdx.y) + j * kWarpRowWarps;
+    const int64_t r = r0 + tile_row;
+    const bool active = r < rows;  // an idle warp still joins the CTA's barriers below
+    const WarpRow<kPacks> w{active ? cols / kN : 0, static_cast<int>(threadIdx.x)};
+    Pack<T, kN> v[kPacks];
+    load_row<kPacks, T, kN>(w, x + (active ? r : 0) * cols, v);
+
+    float first = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPacks; ++i) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const float f = math::to_float(v[i].v[k]);
+        first += kRms ? f * f : f;  // zeros past the row add nothing
+      }
+    }
+    first = warp_reduce(first, add) / n;
+    float mean = 0.0f, var = first;
+    if constexpr (!kRms) {
+      mean = first;
+      float squares = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kPacks; ++i) {
+        if (!w.valid(i)) continue;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          const float d = math::to_float(v[i].v[k]) - mean;
+          squares += d * d;
+        }
+      }
+      var = warp_reduce(squares, add) / n;
+    }
+    const float rstd = math::norm_rstd(var, eps);
+
+#pragma unroll
+    for (int i = 0; i < kPacks; ++i) {
+      if (!w.valid(i)) continue;
+      const int64_t c = w.pack(i) * kN;
+      const Pack<float, kN> g = load_pack<kN>(gamma + c);
+      Pack<float, kN> b;
+      if constexpr (kRms) {
+#pragma unroll
+        for (int k = 0; k < kN; ++k) b.v[k] = 0.0f;
+      } else {
+        b = load_pack<kN>(beta + c);
+      }
+      float out[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k)
+        out[k] = math::norm_output(math::to_float(v[i].v[k]), mean, rstd, g.v[k], b.v[k]);
+      const Pack<uint8_t, kN> q = store_output<T, kN>(y_out, r * cols + c, out, ct);
+      if constexpr (kTransposed) store_pack<kN>(stage + tile_row * cols + c, q);
+    }
+    if (active && threadIdx.x == 0) {
+      if constexpr (!kRms) mean_out[r] = mean;
+      rstd_out[r] = rstd;
+    }
+  }
+  if constexpr (kTransposed) {
+    __syncthreads();  // the tile's codes are staged
+    store_transposed_tile(stage, cast.data_t, r0, rows, cols);
+  }
+  finish_cast(ct, amax_scratch);  // after every store of both copies (DESIGN.md rule 1)
+}
+
+/// norm_backward_kernel for rows that fit a warp's registers: block (32, kWarpRowWarps); the CTA
+/// owns the tile of kWarpRowTileRows rows at blockIdx.x, warp y taking rows y, y + kWarpRowWarps,
+/// ... of it. dy and x stay in registers between the two passes; each warp accumulates dy * xhat
+/// (and dy) for the lane's columns in its own shared-memory slice [kSums, cols], and the CTA then
+/// adds the warps' slices in warp order into the tile's slot of `partials` [tiles, kSums, cols].
+template <typename T, int kN, int kPacks, bool kRms>
+__global__ void __launch_bounds__(kWarpSize* kWarpRowWarps)
+    norm_backward_warp_row_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                  const float* __restrict__ gamma, const float* __restrict__ mean,
+                                  const float* __restrict__ rstd, const T* residual, T* dx,
+                                  float* partials, int64_t rows, int64_t cols) {
+  constexpr int kSums = kRms ? 1 : 2;
+  extern __shared__ float4 acc_raw[];  // [kWarpRowWarps][kSums][cols]
+  const auto add = [](float a, float b) { return a + b; };
+  const WarpRow<kPacks> w{cols / kN, static_cast<int>(threadIdx.x)};
+  const float n = static_cast<float>(cols);
+  float* acc = reinterpret_cast<float*>(acc_raw) + threadIdx.y * kSums * cols;
+  // Each lane owns the same columns of its warp's slice in every row: no barrier until the end.
+  Pack<float, kN> zero;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) zero.v[k] = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPacks; ++i) {
+    if (!w.valid(i)) continue;
+#pragma unroll
+    for (int j = 0; j < kSums; ++j) store_pack<kN>(acc + j * cols + w.pack(i) * kN, zero);
+  }
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kWarpRowTileRows;
+  const int64_t r1 = min(rows, r0 + kWarpRowTileRows);
+  for (int64_t r = r0 + threadIdx.y; r < r1; r += kWarpRowWarps) {  // warp-uniform
+    Pack<T, kN> g[kPacks], xv[kPacks];
+    load_row<kPacks, T, kN>(w, dy + r * cols, g);
+    load_row<kPacks, T, kN>(w, x + r * cols, xv);
+    const float m = kRms ? 0.0f : mean[r];
+    const float s = rstd[r];
+    float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kPacks; ++i) {
+      if (!w.valid(i)) continue;
+      const int64_t c = w.pack(i) * kN;
+      const Pack<float, kN> gm = load_pack<kN>(gamma + c);
+      Pack<float, kN> acc_g = load_pack<kN>(acc + c), acc_b;
+      if constexpr (!kRms) acc_b = load_pack<kN>(acc + cols + c);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const float gk = math::to_float(g[i].v[k]);
+        const float xhat = math::norm_xhat(math::to_float(xv[i].v[k]), m, s);
+        const float dxhat = gk * gm.v[k];
+        sum_dxhat += dxhat;
+        sum_dxhat_xhat += dxhat * xhat;
+        acc_g.v[k] += gk * xhat;
+        if constexpr (!kRms) acc_b.v[k] += gk;
+      }
+      store_pack<kN>(acc + c, acc_g);
+      if constexpr (!kRms) store_pack<kN>(acc + cols + c, acc_b);
+    }
+    const float mean_dxhat = kRms ? 0.0f : warp_reduce(sum_dxhat, add) / n;
+    const float mean_dxhat_xhat = warp_reduce(sum_dxhat_xhat, add) / n;
+    CastThread no_cast(FusedCast{});
+#pragma unroll
+    for (int i = 0; i < kPacks; ++i) {
+      if (!w.valid(i)) continue;
+      const int64_t c = w.pack(i) * kN;
+      const Pack<float, kN> gm = load_pack<kN>(gamma + c);
+      float out[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        out[k] = math::norm_dx(math::to_float(g[i].v[k]) * gm.v[k],
+                               math::norm_xhat(math::to_float(xv[i].v[k]), m, s), s, mean_dxhat,
+                               mean_dxhat_xhat);
+      }
+      if (residual != nullptr) {  // as ops::add would: the rounded gradient plus the residual
+        const Pack<T, kN> res = load_pack<kN>(residual + r * cols + c);
+#pragma unroll
+        for (int k = 0; k < kN; ++k)  // __fadd_rn: never contracted with norm_dx's multiply
+          out[k] = __fadd_rn(math::to_float(math::from_float<T>(out[k])), math::to_float(res.v[k]));
+      }
+      store_output<T, kN>(dx, r * cols + c, out, no_cast);
+    }
+  }
+  __syncthreads();
+  const float* slices = reinterpret_cast<const float*>(acc_raw);
+  float* tile_partial = partials + static_cast<int64_t>(blockIdx.x) * kSums * cols;
+  const int tid = threadIdx.y * kWarpSize + threadIdx.x;
+  for (int64_t i = tid; i < kSums * cols; i += kWarpSize * kWarpRowWarps) {
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < kWarpRowWarps; ++wi) v += slices[wi * kSums * cols + i];
+    tile_partial[i] = v;
+  }
+}
 
 /// Sums both components over the thread group of one row (threadIdx.y) in a fixed order; every
 /// thread of the group gets the sums. Contains barriers: every thread of the CTA calls it.
@@ -270,7 +525,15 @@ __global__ void column_sums_kernel(const float* __restrict__ partials, int64_t t
   const int64_t t0 = threadIdx.y * per_chunk;
   const int64_t t1 = min(tiles, t0 + per_chunk);
   float v = 0.0f;
-  for (int64_t t = t0; valid && t < t1; ++t) v += partials[t * sums * cols + i];
+  int64_t t = t0;
+  for (; valid && t + kColumnLoadsInFlight <= t1; t += kColumnLoadsInFlight) {
+    float loaded[kColumnLoadsInFlight];  // all loads issued first, then added in tile order
+#pragma unroll
+    for (int j = 0; j < kColumnLoadsInFlight; ++j) loaded[j] = partials[(t + j) * sums * cols + i];
+#pragma unroll
+    for (int j = 0; j < kColumnLoadsInFlight; ++j) v += loaded[j];
+  }
+  for (; valid && t < t1; ++t) v += partials[t * sums * cols + i];
   chunk_sums[threadIdx.y][threadIdx.x] = v;
   __syncthreads();
   if (threadIdx.y != 0 || !valid) return;
@@ -300,10 +563,117 @@ void allow_smem(Kernel kernel, size_t bytes) {
 /// The tensor's data, or nullptr when it is undefined.
 const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
 
+/// dgamma (and dbeta when kSums is 2) += the tile partials [tiles, kSums, cols], in tile order.
+void launch_column_sums(const Tensor& partials, int sums, const Tensor& dgamma, const Tensor& dbeta,
+                        cudaStream_t stream) {
+  const int64_t tiles = partials.size(0), cols = partials.size(2);
+  const int64_t column_blocks = ceil_div(sums * cols, kWarpSize);
+  OCTET_CHECK(column_blocks <= INT32_MAX, "norm backward: ", cols,
+              " columns exceed the grid limit");
+  column_sums_kernel<<<static_cast<unsigned>(column_blocks), dim3(kWarpSize, kColumnChunks), 0,
+                       stream>>>(partials.data<float>(), tiles, sums, cols, dgamma.data<float>(),
+                                 sums == 2 ? dbeta.data<float>() : nullptr);
+  OCTET_CHECK_LAUNCH();
+}
+
+/// Calls f(std::integral_constant<int, kPacks>{}) with the fewest packs per lane (1, 2, 4 or 8)
+/// that hold a row of `packs` 16-byte packs in one warp; returns false (calling nothing) when the
+/// row is longer than kWarpRowMaxPacks per lane.
+template <typename F>
+bool visit_warp_row_packs(int64_t packs, F&& f) {
+  static_assert(kWarpRowMaxPacks == 8, "the cases below cover 1 to 8 packs per lane");
+  const int64_t per_lane = ceil_div(packs, kWarpSize);
+  if (per_lane <= 1) return f(std::integral_constant<int, 1>{}), true;
+  if (per_lane <= 2) return f(std::integral_constant<int, 2>{}), true;
+  if (per_lane <= 4) return f(std::integral_constant<int, 4>{}), true;
+  if (per_lane <= 8) return f(std::integral_constant<int, 8>{}), true;
+  return false;
+}
+
+/// The warp-row forward when the row fits (vectorized rows only); false otherwise. With the
+/// cast's transposed copy requested, the kernel writes it when its staging tile fits in shared
+/// memory (`transposed` says whether it did); otherwise the cast goes without it.
 template <typename T, int kN, bool kRms>
-void launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+bool launch_forward_warp_row(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+                             const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                             const FusedCast& cast, bool& transposed) {
+  transposed = false;
+  if constexpr (kN == 1) {
+    return false;
+  } else {
+    const Device& device = x.device();
+    const int64_t rows = x.rows(), cols = x.cols();
+    const size_t stage_bytes = static_cast<size_t>(kTransposeTileRows * cols);
+    const bool with_transposed = cast.enabled() && cast.data_t != nullptr &&
+                                 stage_bytes <= smem_budget(device) &&
+                                 ceil_div(rows, kTransposeTileRows) <= INT32_MAX;
+    if (!with_transposed && ceil_div(rows, kWarpRowWarps) > INT32_MAX) return false;
+    const FusedCast kernel_cast = with_transposed ? cast : cast.rowwise_only();
+    const auto launch = [&](auto kernel, int64_t tile_rows, size_t smem) {
+      allow_smem(kernel, smem);
+      kernel<<<static_cast<unsigned>(ceil_div(rows, tile_rows)), dim3(kWarpSize, kWarpRowWarps),
+               smem, octet::cuda::stream(device)>>>(
+          static_cast<const T*>(x.raw_data()), gamma.data<float>(),
+          kRms ? nullptr : beta.data<float>(), eps, static_cast<T*>(y.raw_data()),
+          kRms ? nullptr : mean.data<float>(), rstd.data<float>(), rows, cols, kernel_cast);
+      OCTET_CHECK_LAUNCH();
+    };
+    const bool fits = visit_warp_row_packs(cols / kN, [&](auto packs) {
+      constexpr int kPacks = decltype(packs)::value;
+      if (with_transposed) {
+        launch(norm_forward_warp_row_kernel<T, kN, kPacks, kRms, true>, kTransposeTileRows,
+               stage_bytes);
+      } else {
+        launch(norm_forward_warp_row_kernel<T, kN, kPacks, kRms, false>, kWarpRowWarps, 0);
+      }
+    });
+    transposed = fits && with_transposed;
+    return fits;
+  }
+}
+
+/// The warp-row backward and its column sums when the row fits (vectorized rows only, and the
+/// warps' accumulators within the shared memory a CTA may opt into); false otherwise.
+template <typename T, int kN, bool kRms>
+bool launch_backward_warp_row(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                              const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                              const Tensor& dgamma, const Tensor& dbeta, const Tensor& residual) {
+  if constexpr (kN == 1) {
+    return false;
+  } else {
+    constexpr int kSums = kRms ? 1 : 2;
+    const Device& device = x.device();
+    const cudaStream_t stream = octet::cuda::stream(device);
+    const int64_t rows = x.rows(), cols = x.cols();
+    const size_t smem = sizeof(float) * kWarpRowWarps * kSums * cols;
+    const int64_t tiles = ceil_div(rows, kWarpRowTileRows);
+    if (smem > smem_budget(device) || tiles > INT32_MAX) return false;
+    Tensor partials;  // stream-ordered workspace, freed after the kernels that use it
+    const bool fits = visit_warp_row_packs(cols / kN, [&](auto packs) {
+      auto kernel = norm_backward_warp_row_kernel<T, kN, decltype(packs)::value, kRms>;
+      allow_smem(kernel, smem);
+      partials = Tensor::empty({tiles, kSums, cols}, DType::f32, device);
+      kernel<<<static_cast<unsigned>(tiles), dim3(kWarpSize, kWarpRowWarps), smem, stream>>>(
+          static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
+          gamma.data<float>(), kRms ? nullptr : mean.data<float>(), rstd.data<float>(),
+          static_cast<const T*>(ptr_or_null(residual)), static_cast<T*>(dx.raw_data()),
+          partials.data<float>(), rows, cols);
+      OCTET_CHECK_LAUNCH();
+    });
+    if (!fits) return false;
+    launch_column_sums(partials, kSums, dgamma, dbeta, stream);
+    return true;
+  }
+}
+
+/// Returns whether the cast's transposed copy was written.
+template <typename T, int kN, bool kRms>
+bool launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
                     const Tensor& y, const Tensor& mean, const Tensor& rstd,
                     const FusedCast& cast) {
+  bool transposed = false;
+  if (launch_forward_warp_row<T, kN, kRms>(x, gamma, beta, eps, y, mean, rstd, cast, transposed))
+    return transposed;
   const Device& device = x.device();
   const int64_t rows = x.rows(), cols = x.cols();
   const NormLayout layout = layout_for(cols);
@@ -318,14 +688,17 @@ void launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, fl
   kernel<<<static_cast<unsigned>(blocks), block, smem, octet::cuda::stream(device)>>>(
       static_cast<const T*>(x.raw_data()), gamma.data<float>(), kRms ? nullptr : beta.data<float>(),
       eps, static_cast<T*>(y.raw_data()), kRms ? nullptr : mean.data<float>(), rstd.data<float>(),
-      rows, cols, cache_rows, cast);
+      rows, cols, cache_rows, cast.rowwise_only());
   OCTET_CHECK_LAUNCH();
+  return false;
 }
 
 template <typename T, int kN, bool kRms>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                      const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
                      const Tensor& dbeta, const Tensor& residual) {
+  if (launch_backward_warp_row<T, kN, kRms>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual))
+    return;
   constexpr int kSums = kRms ? 1 : 2;
   const Device& device = x.device();
   const cudaStream_t stream = octet::cuda::stream(device);
@@ -354,13 +727,7 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, con
       partials.data<float>(), rows, cols, rows_per_tile, acc_in_smem);
   OCTET_CHECK_LAUNCH();
 
-  const int64_t column_blocks = ceil_div(kSums * cols, kWarpSize);
-  OCTET_CHECK(column_blocks <= INT32_MAX, "norm backward: ", cols,
-              " columns exceed the grid limit");
-  column_sums_kernel<<<static_cast<unsigned>(column_blocks), dim3(kWarpSize, kColumnChunks), 0,
-                       stream>>>(partials.data<float>(), tiles, kSums, cols, dgamma.data<float>(),
-                                 kRms ? nullptr : dbeta.data<float>());
-  OCTET_CHECK_LAUNCH();
+  launch_column_sums(partials, kSums, dgamma, dbeta, stream);
   // `partials` is freed stream-ordered (cudaFreeAsync on this stream), after the kernels.
 }
 
@@ -380,15 +747,17 @@ void visit_layout(DType dtype, int64_t cols, std::initializer_list<const void*> 
 }
 
 template <bool kRms>
-void forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, const Tensor& y,
+bool forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps, const Tensor& y,
              const Tensor& mean, const Tensor& rstd, const FusedCast& cast) {
   DeviceGuard guard(x.device());
+  bool transposed = false;
   visit_layout(x.dtype(), x.cols(),
                {x.raw_data(), y.raw_data(), gamma.raw_data(), ptr_or_null(beta), cast.data},
                [&](auto t, auto n) {
-                 launch_forward<decltype(t), decltype(n)::value, kRms>(x, gamma, beta, eps, y, mean,
-                                                                       rstd, cast);
+                 transposed = launch_forward<decltype(t), decltype(n)::value, kRms>(
+                     x, gamma, beta, eps, y, mean, rstd, cast);
                });
+  return transposed;
 }
 
 template <bool kRms>
@@ -407,10 +776,10 @@ void backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tens
 
 }  // namespace
 
-void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
+bool layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
                        const Tensor& y, const Tensor& mean, const Tensor& rstd,
                        const FusedCast& cast) {
-  forward<false>(x, gamma, beta, eps, y, mean, rstd, cast);
+  return forward<false>(x, gamma, beta, eps, y, mean, rstd, cast);
 }
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
@@ -419,9 +788,9 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, 
   backward<false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual);
 }
 
-void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
+bool rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedCast& cast) {
-  forward<true>(x, gamma, Tensor(), eps, y, Tensor(), rstd, cast);
+  return forward<true>(x, gamma, Tensor(), eps, y, Tensor(), rstd, cast);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
