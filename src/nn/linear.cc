@@ -105,9 +105,23 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const Devic
   }
 }
 
-void Linear::zero_grad() {
-  grad_weight_.zero();
+void Linear::zero_grad(ZeroGrad how) {
+  grad_weight_unwritten_ = how == ZeroGrad::on_next_write;
+  if (!grad_weight_unwritten_) grad_weight_.zero();
   if (grad_bias_.defined()) grad_bias_.zero();
+}
+
+void Linear::settle_grad() {
+  if (!grad_weight_unwritten_) return;
+  grad_weight_.zero();
+  grad_weight_unwritten_ = false;
+}
+
+ops::GemmArgs Linear::wgrad_args() {
+  ops::GemmArgs wgrad;
+  wgrad.beta = grad_weight_unwritten_ ? 0.0f : 1.0f;  // overwrite, or accumulate over microbatches
+  grad_weight_unwritten_ = false;
+  return wgrad;
 }
 
 void Linear::check_activation(const Tensor& t, int64_t features, const char* what) const {
@@ -223,7 +237,7 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype,
   return fused;
 }
 
-Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
+Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Tensor& residual) {
   if (x.defined()) {
     check_activation(x, in_, "input");
     OCTET_CHECK(!saved.input_prefilled ||
@@ -235,27 +249,38 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode) {
     OCTET_CHECK(saved.input_prefilled,
                 "Linear::forward: x is undefined, which needs a fused input (fused_input)");
   }
+  // The output's shape and dtype, known before the record starts, so that a bad residual is
+  // refused before any FP8 state is registered.
+  Shape y_shape = x.defined() ? x.shape() : saved.input_shape;
+  y_shape.back() = out_;
+  const DType y_dtype = x.defined() ? x.dtype() : saved.input_dtype;
+  if (residual.defined()) {
+    check_activation(residual, out_, "residual");
+    OCTET_CHECK(residual.shape() == y_shape && residual.dtype() == y_dtype, "Linear(in=", in_,
+                ", out=", out_, ") expects a residual like its output, ", dtype_name(y_dtype),
+                shape_str(y_shape), ", got ", residual.describe());
+  }
   Saved out = saved.input_prefilled ? std::move(saved) : start_record(saved, mode);
   if (x.defined()) {
     out.input_shape = x.shape();
     out.input_dtype = x.dtype();
   }
-  Shape y_shape = out.input_shape;
-  y_shape.back() = out_;
-  Tensor y = Tensor::empty(y_shape, out.input_dtype, device_);
+  Tensor y = Tensor::empty(y_shape, y_dtype, device_);
   const Tensor x2 = x.defined() ? x.view({-1, in_}) : Tensor();
   const Tensor y2 = y.view({-1, out_});
+  const Tensor residual2 = residual.defined() ? residual.view({-1, out_}) : Tensor();
   if (out.snapshot.fp8) {
-    forward_fp8(x2, y2, mode, out);
+    forward_fp8(x2, y2, residual2, mode, out);
   } else {
-    forward_dense(x2, y2, out);
+    forward_dense(x2, y2, residual2, out);
   }
   out.input_prefilled = false;  // consumed: a later forward into this record quantizes again
   saved = std::move(out);
   return y;
 }
 
-void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved) {
+void Linear::forward_fp8(const Tensor& x, const Tensor& y, const Tensor& residual, ForwardMode mode,
+                         Saved& saved) {
   Snapshot& snap = saved.snapshot;
   const fp8::Recipe& recipe = snap.recipe;
   const bool record = mode == ForwardMode::normal;
@@ -280,6 +305,7 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
 
   ops::GemmArgs args;
   args.bias = output_bias(*snap.weight, y);
+  args.addend = residual;
   args.accumulation = ops::Accumulation::fast;
   // TN: x [rows, in] times (W [out, in])^T.
   ops::gemm(ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/false),
@@ -288,10 +314,11 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Sav
             y, args);
 }
 
-void Linear::forward_dense(const Tensor& x, const Tensor& y, Saved& saved) {
+void Linear::forward_dense(const Tensor& x, const Tensor& y, const Tensor& residual, Saved& saved) {
   saved.input = in_dtype(x, compute_dtype_);
   ops::GemmArgs args;
   args.bias = output_bias(*saved.snapshot.weight, y);
+  args.addend = residual;
   ops::gemm(ops::GemmOperand::dense(saved.input),
             ops::GemmOperand::dense(saved.snapshot.weight->dense, /*transpose=*/true), y, args);
 }
@@ -380,8 +407,7 @@ void Linear::backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& 
                                   /*transpose=*/true),
             dx, dgrad);
 
-  ops::GemmArgs wgrad;
-  wgrad.beta = 1.0f;  // accumulate over microbatches
+  ops::GemmArgs wgrad = wgrad_args();
   wgrad.accumulation = ops::Accumulation::split;
   // TN: dy^T [out, rows] times (x^T [in, rows])^T.
   ops::gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/true),
@@ -395,8 +421,7 @@ void Linear::backward_dense(const Tensor& dy, const Tensor& dx, const Saved& sav
   // dx [rows, in] = dy [rows, out] W [out, in].
   ops::gemm(ops::GemmOperand::dense(dy_c), ops::GemmOperand::dense(saved.snapshot.weight->dense),
             dx);
-  ops::GemmArgs wgrad;
-  wgrad.beta = 1.0f;
+  const ops::GemmArgs wgrad = wgrad_args();
   // grad_weight [out, in] += dy^T [out, rows] x [rows, in].
   ops::gemm(ops::GemmOperand::dense(dy_c, /*transpose=*/true), ops::GemmOperand::dense(saved.input),
             grad_weight_, wgrad);

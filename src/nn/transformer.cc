@@ -41,15 +41,18 @@ Norm::Norm(NormKind kind, int64_t dim, float eps, const Device& device)
   }
 }
 
-Tensor Norm::forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused) const {
+Tensor Norm::forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused,
+                     bool output) const {
   OCTET_CHECK(x.defined() && x.ndim() >= 1 && x.size(-1) == dim_, "Norm(dim=", dim_,
               ") expects an input [..., ", dim_, "], got ", x.defined() ? x.describe() : "none");
+  OCTET_CHECK(output || fused != nullptr,
+              "Norm::forward: output = false needs a fused FP8 output to produce instead");
   const Tensor x2 = x.view({-1, dim_});
   Saved out;
   out.input = x2;
   out.rstd = Tensor::empty({x2.rows()}, DType::f32, device_);
-  Tensor y = empty_like(x);
-  const Tensor y2 = y.view({-1, dim_});
+  Tensor y = output ? empty_like(x) : Tensor();
+  const Tensor y2 = output ? y.view({-1, dim_}) : Tensor();
   if (kind_ == NormKind::layernorm) {
     out.mean = Tensor::empty({x2.rows()}, DType::f32, device_);
     ops::layernorm_forward(x2, gamma_, beta_, eps_, y2, out.mean, out.rstd, fused);
@@ -102,19 +105,24 @@ Attention::Attention(const BlockConfig& config, const Device& device, uint64_t s
 }
 
 Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
-                          ForwardMode mode, const LinearObserver* observer) {
-  OCTET_CHECK(x.defined() && x.ndim() == 2 && x.size(0) == batch * seq,
+                          ForwardMode mode, const LinearObserver* observer,
+                          const Tensor& residual) {
+  // x may be undefined when qkv's FP8 input was written by the op before (Linear::fused_input).
+  OCTET_CHECK(x.defined() ? x.ndim() == 2 && x.size(0) == batch * seq
+                          : saved.qkv.input_prefilled && saved.qkv.input_q.rows == batch * seq,
               "Attention expects x [batch*seq, dim] = [", batch * seq, ", ", heads_ * head_dim_,
-              "], got ", x.defined() ? x.describe() : "none");
+              "] (or qkv's fused input of as many rows), got ",
+              x.defined() ? x.describe() : "none");
   saved.shape = {.batch = batch, .seq = seq, .heads = heads_, .head_dim = head_dim_};
   saved.qkv_act = qkv_.forward(x, saved.qkv, mode);
   after_linear(observer, mode, LinearSlot::qkv, x, saved.qkv);
   // Rotating in place is safe: the FP8 Saved of qkv holds its input, not its output.
   if (rope_) ops::rope(saved.qkv_act, saved.shape, rope_theta_, /*inverse=*/false);
-  saved.out = Tensor::empty({batch * seq, heads_ * head_dim_}, x.dtype(), x.device());
-  saved.lse = Tensor::empty({batch, heads_, seq}, DType::f32, x.device());
+  const Tensor& act = saved.qkv_act;
+  saved.out = Tensor::empty({batch * seq, heads_ * head_dim_}, act.dtype(), act.device());
+  saved.lse = Tensor::empty({batch, heads_, seq}, DType::f32, act.device());
   ops::attention_forward(saved.qkv_act, saved.shape, saved.out, saved.lse);
-  Tensor y = proj_.forward(saved.out, saved.proj, mode);
+  Tensor y = proj_.forward(saved.out, saved.proj, mode, residual);
   after_linear(observer, mode, LinearSlot::proj, saved.out, saved.proj);
   return y;
 }
@@ -139,8 +147,8 @@ MLP::MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType c
       fc2_(config.ffn, config.dim, config.bias, device, layer_seed(seed, LinearSlot::fc2),
            compute_dtype) {}
 
-Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
-                    const LinearObserver* observer) {
+Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode, const LinearObserver* observer,
+                    const Tensor& residual) {
   saved.hidden = fc1_.forward(x, saved.fc1, mode);
   after_linear(observer, mode, LinearSlot::fc1, x, saved.fc1);
   const auto fused = fc2_.fused_input(saved.hidden.rows(), saved.hidden.dtype(), saved.fc2, mode);
@@ -154,7 +162,7 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode,
     act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
   }
   ops::activation_forward(activation_, saved.hidden, act, fused ? &*fused : nullptr);
-  Tensor y = fc2_.forward(act, saved.fc2, mode);
+  Tensor y = fc2_.forward(act, saved.fc2, mode, residual);
   after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
   return y;
 }
@@ -205,17 +213,19 @@ const Linear& TransformerBlock::linear(LinearSlot slot) const {
 
 Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode mode,
                                       const LinearObserver* observer) {
-  // The norms write the FP8 inputs of qkv and fc1 in the same kernel when those can take them.
+  // The norms write the FP8 inputs of qkv and fc1 in the same kernel when those can take them;
+  // their high-precision outputs are then needed only by an observer (the FP8 statistics).
+  const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
   const auto fused_qkv = attn_.qkv().fused_input(x.rows(), x.dtype(), saved.attn.qkv, mode);
-  const Tensor h1 = norm1_.forward(x, saved.norm1, fused_qkv ? &*fused_qkv : nullptr);
-  const Tensor a = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer);
-  saved.residual = empty_like(x);
-  ops::add(x, a, saved.residual);
+  const Tensor h1 =
+      norm1_.forward(x, saved.norm1, fused_qkv ? &*fused_qkv : nullptr, !fused_qkv || observed);
+  // The residual adds ride in proj's and fc2's GEMM epilogues: r = x + attn(h1), y = r + mlp(h2).
+  saved.residual = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer,
+                                 /*residual=*/x);
   const auto fused_fc1 = mlp_.fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode);
-  const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr);
-  const Tensor m = mlp_.forward(h2, saved.mlp, mode, observer);
-  Tensor y = empty_like(x);
-  ops::add(saved.residual, m, y);
+  const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr,
+                                   !fused_fc1 || observed);
+  Tensor y = mlp_.forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);
   saved.complete = true;
   return y;
 }
@@ -272,10 +282,14 @@ Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
   return dx;
 }
 
-void TransformerBlock::zero_grad() {
+void TransformerBlock::zero_grad(ZeroGrad how) {
   norm1_.zero_grad();
   norm2_.zero_grad();
-  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).zero_grad();
+  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).zero_grad(how);
+}
+
+void TransformerBlock::settle_grads() {
+  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).settle_grad();
 }
 
 void TransformerBlock::on_weights_updated() {

@@ -508,8 +508,16 @@ void GPT::set_collect_fp8_stats(bool on) { impl_->collect_stats = on; }
 
 std::vector<Fp8InputStats> GPT::fp8_input_stats() const { return impl_->stats; }
 
-void GPT::zero_grad() {
-  for (Entry& e : impl_->entries()) e.grad.zero();
+void GPT::zero_grad(nn::ZeroGrad how) {
+  Impl& m = *impl_;
+  for (nn::TransformerBlock& b : m.blocks) b.zero_grad(how);
+  m.final_norm.zero_grad();
+  for (Tensor* g : {&m.grad_wte, &m.grad_wpe, &m.grad_lm_head})
+    if (g->defined()) g->zero();
+}
+
+void GPT::settle_grads() {
+  for (nn::TransformerBlock& b : impl_->blocks) b.settle_grads();
 }
 
 void GPT::on_weights_updated() {

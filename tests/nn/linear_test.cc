@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
+#include <string>
 #include <tuple>
 
 #include "nn/nn_check.h"
@@ -311,10 +313,219 @@ TEST_P(LinearFp8Test, WeightIsCastOncePerStepAndReusedAcrossMicrobatches) {
   }
 }
 
+TEST_P(LinearFp8Test, ZeroGradOnNextWriteEqualsZeroingFirst) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t in = 48, out = 32, tokens = 16;
+  Tensor x[2], dy[2];
+  for (int m = 0; m < 2; ++m) {
+    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
+    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
+  }
+  // Two layers on the same sequence: a first step leaves gradients behind, then a step of two
+  // microbatches starts from zero_grad(now) in one and zero_grad(on_next_write) in the other.
+  Linear zeroed(in, out, true, device, seed), overwritten(in, out, true, device, seed);
+  AmaxRegistry registry_z, registry_o;
+  run_microbatch(zeroed, recipe, registry_z, x[1], dy[1]);
+  run_microbatch(overwritten, recipe, registry_o, x[1], dy[1]);
+  zeroed.zero_grad(ZeroGrad::now);
+  overwritten.zero_grad(ZeroGrad::on_next_write);
+  for (int m = 0; m < 2; ++m) {
+    run_microbatch(zeroed, recipe, registry_z, x[m], dy[m]);
+    run_microbatch(overwritten, recipe, registry_o, x[m], dy[m]);
+  }
+  // The first GEMM writes dW where the other adds it to zeros: equal values (an exact zero may
+  // differ in sign, which compares equal).
+  const std::vector<float> want = to_floats(zeroed.grad_weight());
+  const std::vector<float> got = to_floats(overwritten.grad_weight());
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(want[i], got[i]) << "dW[" << i << "]";
+  EXPECT_TRUE(testing::bitwise_equal(zeroed.grad_bias(), overwritten.grad_bias()));
+  // settle_grad() leaves a written gradient alone, and zeroes one that no backward wrote.
+  overwritten.settle_grad();
+  EXPECT_EQ(to_floats(overwritten.grad_weight()), got);
+  overwritten.zero_grad(ZeroGrad::on_next_write);
+  overwritten.settle_grad();
+  for (float v : to_floats(overwritten.grad_weight())) ASSERT_EQ(v, 0.0f);
+}
+
 INSTANTIATE_TEST_SUITE_P(Recipes, LinearFp8Test,
                          ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
                                             ::testing::ValuesIn(all_recipes())),
                          fp8_param_name);
+
+// ----------------------------------------------------------------------------
+// A residual added in the GEMM's epilogue (Linear::forward's `residual`)
+
+/// A Linear's precision: dense in its compute dtype, or FP8 under a recipe; and the dtype of the
+/// activations (input, output, residual).
+struct ResidualPrecision {
+  std::string name;
+  DType activation;
+  DType compute;
+  std::optional<Recipe> recipe;
+};
+
+void PrintTo(const ResidualPrecision& p, std::ostream* out) { *out << p.name; }
+
+std::vector<ResidualPrecision> residual_precisions() {
+  std::vector<ResidualPrecision> out = {{"fp32", DType::f32, DType::f32, std::nullopt},
+                                        {"bf16", DType::bf16, DType::bf16, std::nullopt}};
+  for (const Recipe& recipe : all_recipes()) {
+    for (DType activation : {DType::f32, DType::bf16}) {
+      std::string name = recipe.name() + "_" + std::string(dtype_name(activation));
+      std::replace(name.begin(), name.end(), '-', '_');
+      out.push_back({name, activation, DType::f32, recipe});
+    }
+  }
+  return out;
+}
+
+using ResidualParam = std::tuple<Device, ResidualPrecision>;
+class LinearResidualTest : public ::testing::TestWithParam<ResidualParam> {};
+
+/// CUDA GEMMs against the reference (docs/NUMERICS.md): FP8 fast accumulation (2^-9), dense f32 or
+/// bf16 operands (1e-5); and one BF16 rounding of an output, 2^-8 relative at most.
+constexpr double kFastAccumulationRelL2 = 0.001953125;
+constexpr double kDenseGemmRelL2 = 1e-5;
+constexpr double kBf16RoundingRelL2 = 0.00390625;
+
+/// Multiples of 16 (FP8) with a partial 128-row tile.
+constexpr int64_t kResidualTokens = 48, kResidualIn = 64, kResidualOut = 80;
+const Shape kResidualX{2, kResidualTokens, kResidualIn};
+const Shape kResidualY{2, kResidualTokens, kResidualOut};
+
+/// y = layer(x) (+ residual) in a training forward, under the precision's autocast if any.
+Tensor residual_forward(Linear& layer, const ResidualPrecision& p, AmaxRegistry& registry,
+                        const Tensor& x, Linear::Saved& saved, const Tensor& residual) {
+  if (!p.recipe) return layer.forward(x, saved, ForwardMode::normal, residual);
+  Fp8Autocast scope(*p.recipe, registry);
+  return layer.forward(x, saved, ForwardMode::normal, residual);
+}
+
+/// The spacing of `dtype` values at |x| (f32: 2^(e - 23); bf16: 2^(e - 7)), 0 at 0.
+double spacing(DType dtype, double x) {
+  if (x == 0) return 0;
+  return std::ldexp(1.0, std::ilogb(x) - (dtype == DType::bf16 ? 7 : 23));
+}
+
+TEST_P(LinearResidualTest, EqualsTheForwardThenAnAdd) {
+  const auto& [device, p] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // Two identical layers (and registries), so each sees the same FP8 state.
+  Linear fused_layer(kResidualIn, kResidualOut, true, device, seed, p.compute);
+  Linear plain_layer(kResidualIn, kResidualOut, true, device, seed, p.compute);
+  AmaxRegistry fused_registry, plain_registry;
+  const Tensor x = testing::random_tensor(kResidualX, p.activation, seed + 1).to(device);
+  // A residual stream larger than the layer's output, as in a transformer.
+  const Tensor residual =
+      testing::random_tensor(kResidualY, p.activation, seed + 2, 4.0f).to(device);
+  Linear::Saved fused_saved, plain_saved;
+  const Tensor fused = residual_forward(fused_layer, p, fused_registry, x, fused_saved, residual);
+  const Tensor y = residual_forward(plain_layer, p, plain_registry, x, plain_saved, Tensor());
+  Tensor separate = Tensor::empty(kResidualY, p.activation, device);
+  ops::add(y, residual, separate);
+  EXPECT_EQ(fused.shape(), kResidualY);
+  EXPECT_EQ(fused.dtype(), p.activation);
+  // The residual only joins the output: backward's record is the same.
+  EXPECT_TRUE(testing::bitwise_equal(p.recipe ? plain_saved.input_q.data_t : plain_saved.input,
+                                     p.recipe ? fused_saved.input_q.data_t : fused_saved.input));
+
+  if (device.is_cpu() && p.activation == DType::f32) {
+    // docs/NUMERICS.md: with an f32 output the addend is the GEMM then an add, bit for bit.
+    EXPECT_TRUE(testing::bitwise_equal(separate, fused));
+    return;
+  }
+  const std::vector<float> f = to_floats(fused), s = to_floats(separate);
+  if (device.is_cpu()) {
+    // bf16: bf16(bf16(p) + b + r) against bf16(r + bf16(p + b)) for the same product p: the two
+    // inner roundings (half a spacing at |p| and at |p + b|; |p + b| <= |y| (1 + 2^-8), the
+    // rounding y = bf16(p + b) included, and |p| <= that + |b|) and the two final ones.
+    constexpr double kBf16RoundingMargin = 1.0 + kBf16RoundingRelL2;
+    const std::vector<float> yv = to_floats(y), r = to_floats(residual);
+    const std::vector<float> b = to_floats(fused_layer.bias());
+    for (size_t i = 0; i < f.size(); ++i) {
+      const double inner = std::fabs(yv[i]) * kBf16RoundingMargin + std::fabs(b[i % kResidualOut]);
+      const double outer = std::max(std::fabs(f[i]), std::fabs(s[i]));
+      ASSERT_LE(std::fabs(f[i] - s[i]), spacing(DType::bf16, inner) + spacing(DType::bf16, outer))
+          << "element " << i << ": fused " << f[i] << ", separate " << s[i] << " (residual " << r[i]
+          << ")";
+    }
+    return;
+  }
+  // CUDA: the GEMM with and without an addend may run different cuBLASLt algorithms, each within
+  // the GEMM's CUDA-vs-reference bound (docs/NUMERICS.md), plus a BF16 rounding of each output.
+  const double accumulation = p.recipe ? kFastAccumulationRelL2 : kDenseGemmRelL2;
+  const double rounding = p.activation == DType::bf16 ? 2 * kBf16RoundingRelL2 : 0.0;
+  EXPECT_LE(testing::relative_l2(f, s), 2 * accumulation + rounding);
+}
+
+TEST_P(LinearResidualTest, RecomputeWithTheResidualIsBitwiseTheForward) {
+  const auto& [device, p] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Linear layer(kResidualIn, kResidualOut, true, device, seed, p.compute);
+  AmaxRegistry registry;
+  const Tensor x = testing::random_tensor(kResidualX, p.activation, seed + 1).to(device);
+  const Tensor residual = testing::random_tensor(kResidualY, p.activation, seed + 2).to(device);
+  Linear::Saved saved;
+  const Tensor y = residual_forward(layer, p, registry, x, saved, residual);
+  // The scope's end finalized the pass: delayed scales have moved on, recompute must not see it.
+  Linear::Saved rebuilt = Linear::Saved::from_snapshot(saved.snapshot);
+  const Tensor y_again = layer.forward(x, rebuilt, ForwardMode::recompute, residual);
+  EXPECT_TRUE(testing::bitwise_equal(y, y_again));
+  if (p.recipe) {
+    EXPECT_TRUE(testing::bitwise_equal(saved.input_q.data_t, rebuilt.input_q.data_t));
+    EXPECT_EQ(layer.fp8_state()->forward_updates(), 1);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, LinearResidualTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::ValuesIn(residual_precisions())),
+                         [](const auto& info) {
+                           return device_name(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param).name;
+                         });
+
+TEST(LinearResidual, ABadResidualIsRefusedBeforeAnyStateIsRegistered) {
+  Linear layer(32, 16, true, Device::cpu(), fresh_seed(), DType::bf16);
+  const Tensor x = testing::random_tensor({16, 32}, DType::bf16, fresh_seed());
+  Linear::Saved saved;
+  EXPECT_THAT(
+      [&] {
+        layer.forward(x, saved, ForwardMode::normal, Tensor::zeros({16, 8}, DType::bf16));
+      },
+      ::testing::ThrowsMessage<Error>(HasSubstr("expects residual [..., 16], got bf16[16, 8]")));
+  EXPECT_THAT(
+      [&] {
+        layer.forward(x, saved, ForwardMode::normal, Tensor::zeros({8, 16}, DType::bf16));
+      },
+      ::testing::ThrowsMessage<Error>(
+          HasSubstr("expects a residual like its output, bf16[16, 16], got bf16[8, 16]")));
+  AmaxRegistry registry;
+  EXPECT_THAT(
+      [&] {
+        Fp8Autocast scope(Recipe::delayed(), registry);
+        layer.forward(x, saved, ForwardMode::normal, Tensor::zeros({16, 16}, DType::f32));
+      },
+      ::testing::ThrowsMessage<Error>(
+          HasSubstr("expects a residual like its output, bf16[16, 16], got f32[16, 16]")));
+  EXPECT_TRUE(registry.states().empty());
+  EXPECT_FALSE(saved.filled());
+  if (cuda_device_count() > 0) {
+    EXPECT_THAT(
+        [&] {
+          layer.forward(x, saved, ForwardMode::normal,
+                        Tensor::zeros({16, 16}, DType::bf16, Device::cuda(0)));
+        },
+        ::testing::ThrowsMessage<Error>(HasSubstr("its residual is bf16[16, 16] on cuda:0")));
+  }
+}
 
 // ----------------------------------------------------------------------------
 // High precision, errors, placement

@@ -1,6 +1,7 @@
-// Transformer modules: block gradients against central differences, activation recompute bitwise
-// equal to a plain run for every precision with one FP8 update per pass, inference forwards that
-// leave the FP8 state alone, and the Linear observer.
+// Transformer modules: block gradients against central differences, the fused residual adds
+// against separate ones, activation recompute bitwise equal to a plain run for every precision
+// with one FP8 update per pass, inference forwards that leave the FP8 state alone, and the Linear
+// observer.
 #include "octet/nn/transformer.h"
 
 #include <gmock/gmock.h>
@@ -14,6 +15,7 @@
 
 #include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
+#include "octet/ops/activation.h"
 #include "test_util.h"
 
 namespace octet::nn {
@@ -135,6 +137,56 @@ TEST_P(TransformerBlockGradientTest, MatchesCentralDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Flavours, TransformerBlockGradientTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return device_name(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) ? "_llama" : "_gpt2");
+                         });
+
+// ----------------------------------------------------------------------------
+// The residual adds, fused into proj's and fc2's GEMMs, against the unfused composition
+
+class TransformerBlockResidualTest : public ::testing::TestWithParam<FlavourParam> {};
+
+TEST_P(TransformerBlockResidualTest, FusedResidualAddsEqualTheSeparateAdds) {
+  // r = x + proj(attn), y = r + fc2(act), rebuilt from the record with separate ops::add calls:
+  // bitwise on the CPU in f32 (docs/NUMERICS.md: an f32 addend is the GEMM then an add), within
+  // the CUDA GEMM bound on a GPU. saved.residual, norm2's input, is r itself.
+  const auto& [device, llama] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const BlockConfig config = block_config(llama);
+  TransformerBlock block(config, device, seed, DType::f32, /*recompute=*/false);
+  const Tensor x = testing::random_tensor({kRows, kDim}, DType::f32, seed + 1, 2.0f).to(device);
+  TransformerBlock::Saved saved;
+  const Tensor y = block.forward(x, kBatch, kSeq, saved);
+
+  auto separate = [&](Linear& layer, const Tensor& input, const Tensor& residual) {
+    Linear::Saved record;
+    const Tensor out = layer.forward(input, record, ForwardMode::inference);
+    Tensor sum = Tensor::empty(residual.shape(), residual.dtype(), device);
+    ops::add(residual, out, sum);
+    return sum;
+  };
+  const Tensor r = separate(block.attn().proj(), saved.attn.out, x);
+  Tensor act = Tensor::empty({kRows, kFfn}, DType::f32, device);
+  ops::activation_forward(config.activation, saved.mlp.hidden, act);
+  const Tensor y_separate = separate(block.mlp().fc2(), act, r);
+  EXPECT_EQ(saved.norm2.input.raw_data(), saved.residual.raw_data()) << "norm2 reads r";
+  if (device.is_cpu()) {
+    EXPECT_TRUE(bitwise_equal(r, saved.residual));
+    EXPECT_TRUE(bitwise_equal(y_separate, y));
+  } else {
+    // cuBLASLt may pick another algorithm with C != D: both within the f32 GEMM bound, 1e-5.
+    constexpr double kCudaF32GemmRelL2 = 1e-5;
+    EXPECT_LE(testing::relative_l2(to_floats(saved.residual), to_floats(r)), 2 * kCudaF32GemmRelL2);
+    EXPECT_LE(testing::relative_l2(to_floats(y), to_floats(y_separate)), 2 * kCudaF32GemmRelL2);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Flavours, TransformerBlockResidualTest,
                          ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
                                             ::testing::Bool()),
                          [](const auto& info) {

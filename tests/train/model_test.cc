@@ -154,6 +154,23 @@ TEST_P(GPTGradientTest, EveryParameterMatchesCentralDifferences) {
 INSTANTIATE_TEST_SUITE_P(Archs, GPTGradientTest, ::testing::Values(Arch::gpt2, Arch::llama),
                          [](const auto& info) { return std::string(arch_name(info.param)); });
 
+TEST(GPTZeroGrad, EveryGradientReadsZeroEitherWay) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const Arch arch : {Arch::gpt2, Arch::llama}) {
+    for (const nn::ZeroGrad how : {nn::ZeroGrad::now, nn::ZeroGrad::on_next_write}) {
+      GPT model(micro(arch), Precision::from_name("fp32"), Device::cpu(), seed, false);
+      model.train_microbatch(random_tokens(kRows, 32, seed + 1), random_tokens(kRows, 32, seed + 2),
+                             kBatch, kSeq, 1.0f);
+      model.zero_grad(how);
+      model.settle_grads();  // no backward came: the pending weight gradients are zeroed here
+      for (const Parameter& p : model.parameters()) {
+        for (float v : to_floats(p.grad)) ASSERT_EQ(v, 0.0f) << arch_name(arch) << " " << p.name;
+      }
+    }
+  }
+}
+
 TEST(GPTTiedEmbedding, GradientHoldsTheHeadAndTheEmbeddingContributions) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));

@@ -10,6 +10,7 @@
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
+#include "octet/ops/gemm.h"
 #include "octet/ops/norm.h"
 
 namespace octet::nn {
@@ -43,6 +44,15 @@ struct WeightCast {
   /// adds it, which made FP8 forward GEMMs at K = 1600 run at half speed (H200, 2026-11-30).
   /// Undefined without a bias.
   Tensor bias_bf16;
+};
+
+/// How zero_grad clears a weight gradient.
+enum class ZeroGrad : uint8_t {
+  now,  ///< zeroed at once
+  /// The next backward's weight-gradient GEMM overwrites it (beta 0) instead of accumulating,
+  /// so a training step needs no pass over the weight gradients (5.9 GB of memset at GPT-2
+  /// 1.5B). Until then it holds stale values: read it after a backward, or settle it first.
+  on_next_write,
 };
 
 /// Linear layer on one device. Parameters, gradients, FP8 state and every intermediate live on
@@ -96,10 +106,14 @@ class Linear {
   Linear& operator=(const Linear&) = delete;
 
   /// y [..., out] (x's dtype) = x [..., in] (f32 or bf16) W^T + b (b rounded to bf16 when y is
-  /// bf16). Under fp8_autocast the GEMM
-  /// runs in FP8 per the active recipe (whose dimensions must then be multiples of 16); otherwise
-  /// in the compute dtype. Fills `saved` for backward.
-  Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal);
+  /// bf16) + residual. Under fp8_autocast the GEMM runs in FP8 per the active recipe (whose
+  /// dimensions must then be multiples of 16); otherwise in the compute dtype. Fills `saved` for
+  /// backward. `residual` (optional, y's shape and dtype) is added in the GEMM's epilogue, so a
+  /// residual connection costs no separate pass; with a bf16 y the product is rounded to bf16
+  /// before bias and residual join it (ops::GemmArgs::addend). The gradient flowing to the
+  /// residual is dy itself, which the caller routes; backward is unchanged.
+  Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal,
+                 const Tensor& residual = Tensor());
   /// Fusing the input's FP8 cast into the op that produces the input (a norm, an activation):
   /// under per-tensor delayed scaling the input's scale is known before the input exists, so
   ///   auto fused = linear.fused_input(rows, dtype, saved, mode);  // starts the record
@@ -127,8 +141,12 @@ class Linear {
   /// fused_grad_output.
   Tensor backward(const fp8::QuantizedTensor& dy_q, const Saved& saved);
 
-  /// Sets grad_weight and grad_bias to zero.
-  void zero_grad();
+  /// Sets grad_weight and grad_bias to zero; with ZeroGrad::on_next_write the weight gradient is
+  /// overwritten by the next backward instead (see ZeroGrad).
+  void zero_grad(ZeroGrad how = ZeroGrad::now);
+  /// Zeroes a weight gradient still waiting for its write (ZeroGrad::on_next_write with no
+  /// backward since): call before reading grad_weight() when a backward may not have run.
+  void settle_grad();
   /// The optimizer changed the master weights: the next forward casts them again.
   void on_weights_updated() { weight_cast_.reset(); }
 
@@ -139,7 +157,9 @@ class Linear {
   /// FP32 master weight [out, in] and bias [out] (undefined without bias).
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }
-  /// FP32 gradients, accumulated across backward calls until zero_grad().
+  /// FP32 gradients, accumulated across backward calls until zero_grad() (after
+  /// zero_grad(ZeroGrad::on_next_write), grad_weight holds stale values until the next backward
+  /// or settle_grad()).
   const Tensor& grad_weight() const { return grad_weight_; }
   const Tensor& grad_bias() const { return grad_bias_; }
   /// The FP8 state (nullptr before the first FP8 forward).
@@ -152,6 +172,9 @@ class Linear {
   int64_t weight_casts() const { return weight_casts_; }
 
  private:
+  /// The weight-gradient GEMM's arguments: beta 0 for the write that zero_grad(on_next_write)
+  /// left pending (clearing it), else beta 1.
+  ops::GemmArgs wgrad_args();
   /// Throws unless t is defined, f32/bf16, on this layer's device with last extent `features`.
   void check_activation(const Tensor& t, int64_t features, const char* what) const;
   /// The FP8 state for `recipe`, (re)built when absent or made for another recipe.
@@ -166,8 +189,10 @@ class Linear {
   Saved start_record(const Saved& saved, ForwardMode mode);
   /// The bias a GEMM into y adds: bf16 for a bf16 y (see WeightCast::bias_bf16), else the master.
   Tensor output_bias(const WeightCast& cast, const Tensor& y) const;
-  void forward_fp8(const Tensor& x, const Tensor& y, ForwardMode mode, Saved& saved);
-  void forward_dense(const Tensor& x, const Tensor& y, Saved& saved);
+  /// y = x W^T + b + residual (residual: [rows, out] or undefined), for 2-D x and y.
+  void forward_fp8(const Tensor& x, const Tensor& y, const Tensor& residual, ForwardMode mode,
+                   Saved& saved);
+  void forward_dense(const Tensor& x, const Tensor& y, const Tensor& residual, Saved& saved);
   void backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved);
   /// dgrad into dx and wgrad into grad_weight from the quantized grad_output.
   void backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& dx, const Saved& saved);
@@ -181,6 +206,8 @@ class Linear {
   std::shared_ptr<FP8State> state_;
   std::shared_ptr<const WeightCast> weight_cast_;
   int64_t weight_casts_ = 0;
+  /// grad_weight_ waits for its overwrite (ZeroGrad::on_next_write): the next wgrad GEMM writes.
+  bool grad_weight_unwritten_ = false;
 };
 
 }  // namespace octet::nn

@@ -34,9 +34,11 @@ class Norm {
 
   Norm(NormKind kind, int64_t dim, float eps, const Device& device);
 
-  /// y (x's dtype and shape) = norm(x) for x [..., dim] f32|bf16; also writes y's FP8 copy when
-  /// `fused` is given (Linear::fused_input of the Linear that consumes y).
-  Tensor forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused = nullptr) const;
+  /// y (x's dtype and shape) = norm(x) for x [..., dim] f32|bf16; also writes y's FP8 copies when
+  /// `fused` is given (Linear::fused_input of the Linear that consumes y). output = false (with
+  /// `fused` only): y itself is not produced, and an undefined tensor is returned.
+  Tensor forward(const Tensor& x, Saved& saved, const ops::FusedQuantize* fused = nullptr,
+                 bool output = true) const;
   /// dx from dy (x's shape and dtype); accumulates grad_gamma (and grad_beta). With `residual`
   /// (like dy): returns dx + residual, in the same pass (the residual stream's other gradient).
   Tensor backward(const Tensor& dy, const Saved& saved, const Tensor& residual = Tensor());
@@ -96,10 +98,12 @@ class Attention {
 
   Attention(const BlockConfig& config, const Device& device, uint64_t seed, DType compute_dtype);
 
-  /// y [batch*seq, dim] from x [batch*seq, dim]. For ForwardMode::recompute, saved.qkv and
-  /// saved.proj must hold the snapshots of the original forward (Linear::Saved::from_snapshot).
+  /// y [batch*seq, dim] from x [batch*seq, dim], plus `residual` (optional, like y) added in
+  /// proj's GEMM epilogue (Linear::forward). For ForwardMode::recompute, saved.qkv and saved.proj
+  /// must hold the snapshots of the original forward (Linear::Saved::from_snapshot).
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
-                 ForwardMode mode = ForwardMode::normal, const LinearObserver* observer = nullptr);
+                 ForwardMode mode = ForwardMode::normal, const LinearObserver* observer = nullptr,
+                 const Tensor& residual = Tensor());
   /// dx from dy; accumulates the Linear gradients.
   Tensor backward(const Tensor& dy, const Saved& saved);
 
@@ -129,9 +133,10 @@ class MLP {
 
   MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType compute_dtype);
 
-  /// y [rows, dim] from x [rows, dim]; recompute as Attention::forward.
+  /// y [rows, dim] from x [rows, dim], plus `residual` (optional, like y) added in fc2's GEMM
+  /// epilogue; recompute as Attention::forward.
   Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal,
-                 const LinearObserver* observer = nullptr);
+                 const LinearObserver* observer = nullptr, const Tensor& residual = Tensor());
   Tensor backward(const Tensor& dy, const Saved& saved);
 
   Linear& fc1() { return fc1_; }
@@ -145,7 +150,8 @@ class MLP {
   Linear fc2_;
 };
 
-/// Pre-norm block: x = x + attn(norm1(x)); x = x + mlp(norm2(x)).
+/// Pre-norm block: x = x + attn(norm1(x)); x = x + mlp(norm2(x)). Both residual adds run in the
+/// epilogue of the GEMM before them (proj's and fc2's), not as separate passes.
 ///
 /// With recompute, forward keeps only the block's input and each Linear's Snapshot (the scales
 /// and weight cast in use); backward first rebuilds the full record with ForwardMode::recompute,
@@ -179,7 +185,10 @@ class TransformerBlock {
   /// parameter gradient and releases the record.
   Tensor backward(const Tensor& dy, Saved& saved);
 
-  void zero_grad();
+  /// Zeroes every gradient; `how` applies to the Linear weight gradients (ZeroGrad).
+  void zero_grad(ZeroGrad how = ZeroGrad::now);
+  /// Linear::settle_grad for every Linear of the block.
+  void settle_grads();
   void on_weights_updated();
 
   bool recompute() const { return recompute_; }

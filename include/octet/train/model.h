@@ -11,6 +11,7 @@
 #include "octet/core/tensor.h"
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
+#include "octet/nn/linear.h"
 #include "octet/train/config.h"
 
 namespace octet::nn {
@@ -53,10 +54,10 @@ struct Fp8Module {
 /// Quantization health of one FP8 module's input at the last statistics step.
 struct Fp8InputStats {
   std::string name;
-  float amax = 0;                ///< max |x| of the input
-  float scale = 0;               ///< the per-tensor scale used (block recipes: 0, per block)
-  double saturated_fraction = 0; ///< elements quantized to +-fp8_max
-  double underflow_fraction = 0; ///< non-zero elements quantized to 0
+  float amax = 0;                 ///< max |x| of the input
+  float scale = 0;                ///< the per-tensor scale used (block recipes: 0, per block)
+  double saturated_fraction = 0;  ///< elements quantized to +-fp8_max
+  double underflow_fraction = 0;  ///< non-zero elements quantized to 0
 };
 
 class GPT {
@@ -98,7 +99,12 @@ class GPT {
   /// The statistics of the last microbatch that collected them.
   std::vector<Fp8InputStats> fp8_input_stats() const;
 
-  void zero_grad();
+  /// Zeroes every gradient; `how` applies to the blocks' Linear weight gradients (nn::ZeroGrad:
+  /// on_next_write skips their zeroing pass; call settle_grads() before reading them).
+  void zero_grad(nn::ZeroGrad how = nn::ZeroGrad::now);
+  /// Zeroes the Linear weight gradients that zero_grad(on_next_write) left for a backward that
+  /// did not come; free when every Linear ran its backward. Call before reading gradients.
+  void settle_grads();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward.
   void on_weights_updated();
 
