@@ -169,6 +169,34 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
   return weight_cast_;
 }
 
+const ops::FusedQuantize* Linear::next_weight_cast() {
+  next_cast_.reset();
+  if (!weight_cast_ || !weight_cast_->key.fp8 || state_ == nullptr) return nullptr;
+  const WeightCast::Key& key = weight_cast_->key;
+  if (key.kind != fp8::RecipeKind::delayed || key.mode != fp8::ScalingMode::per_tensor)
+    return nullptr;
+  auto cast = std::make_shared<WeightCast>();
+  cast->key = key;
+  cast->q = fp8::QuantizedTensor::allocate(
+      out_, in_, key.dtype, key.mode, fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+  next_cast_target_ = ops::FusedQuantize{};
+  next_cast_target_.out = &cast->q;
+  next_cast_target_.args.scale = state_->scale(TensorRole::weight);
+  next_cast_target_.args.amax = state_->amax_slot(TensorRole::weight);
+  next_cast_ = std::move(cast);
+  return &next_cast_target_;
+}
+
+void Linear::on_weights_updated(PreparedCast prepared) {
+  weight_cast_.reset();
+  if (prepared == PreparedCast::dropped) next_cast_.reset();
+  if (!next_cast_) return;
+  // The optimizer wrote the FP8 weight; the bias copy is cast from the updated bias here.
+  if (bias_.defined()) next_cast_->bias_bf16 = in_dtype(bias_, DType::bf16);
+  ++weight_casts_;
+  weight_cast_ = std::move(next_cast_);
+}
+
 Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
   Saved out;
   if (mode == ForwardMode::recompute) {

@@ -292,8 +292,9 @@ void TransformerBlock::settle_grads() {
   for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).settle_grad();
 }
 
-void TransformerBlock::on_weights_updated() {
-  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).on_weights_updated();
+void TransformerBlock::on_weights_updated(PreparedCast prepared) {
+  for (int i = 0; i < kBlockLinears; ++i)
+    linear(static_cast<LinearSlot>(i)).on_weights_updated(prepared);
 }
 
 }  // namespace octet::nn

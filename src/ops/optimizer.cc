@@ -12,6 +12,7 @@
 
 #include "ops/dispatch.h"
 #include "ops/optimizer_backend.h"
+#include "ops/quantize_backend.h"
 
 namespace octet::ops {
 namespace {
@@ -107,12 +108,34 @@ void check_no_overlap(const AdamWTensor* tensors, int count, const char* op) {
   }
 }
 
-/// Runs the validated step on norm_sq's device.
+/// Throws unless entry `index`'s cast (when it has one) can be written with the step.
+void check_adamw_cast(const AdamWTensor& t, int index, const char* op) {
+  if (t.cast == nullptr) return;
+  const std::string what = "tensors[" + std::to_string(index) + "].cast";
+  OCTET_CHECK(t.cast->out != nullptr, op, ": ", what, "->out is null; expected the ",
+              "QuantizedTensor to write the parameter's FP8 cast into");
+  OCTET_CHECK(t.param.ndim() == 2, op, ": ", what, " needs a 2-D parameter (a weight matrix), got ",
+              t.param.describe());
+  OCTET_CHECK(t.cast->out->mode == fp8::ScalingMode::per_tensor, op, ": ", what,
+              " supports per_tensor scaling only, got ", fp8::scaling_mode_name(t.cast->out->mode));
+  OCTET_CHECK(!t.cast->args.column_sums.defined(), op, ": ", what,
+              " takes no column sums (a weight has no bias gradient to sum)");
+  check_quantize_target(op, t.param.rows(), t.param.cols(), *t.cast->out, t.cast->args, t.param);
+}
+
+/// Runs the validated step on norm_sq's device. The CPU casts with ops::quantize after its step;
+/// the CUDA backend writes the casts itself.
 void run_adamw(const AdamWTensor* tensors, int count, const Tensor& norm_sq, const AdamWArgs& args,
                const char* op) {
   const AdamWCoefficients coefficients = adamw_coefficients(args);
   dispatch(
-      norm_sq.device(), op, [&] { cpu::adamw_step(tensors, count, norm_sq, coefficients); },
+      norm_sq.device(), op,
+      [&] {
+        cpu::adamw_step(tensors, count, norm_sq, coefficients);
+        for (int i = 0; i < count; ++i)
+          if (tensors[i].cast != nullptr)
+            quantize(tensors[i].param, *tensors[i].cast->out, tensors[i].cast->args);
+      },
       [&] { OCTET_CUDA_ONLY(cuda::adamw_step(tensors, count, norm_sq, coefficients)); });
 }
 
@@ -152,7 +175,10 @@ void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
   OCTET_CHECK(count >= 1, op, ": expected at least one tensor, got count ", count);
   OCTET_CHECK(tensors != nullptr, op, ": tensors is null but count is ", count);
   check_norm_sq(norm_sq, op);
-  for (int i = 0; i < count; ++i) check_adamw_tensor(tensors[i], i, norm_sq, op);
+  for (int i = 0; i < count; ++i) {
+    check_adamw_tensor(tensors[i], i, norm_sq, op);
+    check_adamw_cast(tensors[i], i, op);
+  }
   check_no_overlap(tensors, count, op);
   check_adamw_args(args, op);
   run_adamw(tensors, count, norm_sq, args, op);

@@ -520,8 +520,20 @@ void GPT::settle_grads() {
   for (nn::TransformerBlock& b : impl_->blocks) b.settle_grads();
 }
 
-void GPT::on_weights_updated() {
-  for (nn::TransformerBlock& b : impl_->blocks) b.on_weights_updated();
+std::vector<std::pair<Tensor, const ops::FusedQuantize*>> GPT::next_weight_casts() {
+  std::vector<std::pair<Tensor, const ops::FusedQuantize*>> casts;
+  for (nn::TransformerBlock& b : impl_->blocks) {
+    for (int s = 0; s < nn::kBlockLinears; ++s) {
+      nn::Linear& linear = b.linear(static_cast<LinearSlot>(s));
+      if (const ops::FusedQuantize* cast = linear.next_weight_cast())
+        casts.emplace_back(linear.weight(), cast);
+    }
+  }
+  return casts;
+}
+
+void GPT::on_weights_updated(nn::PreparedCast prepared) {
+  for (nn::TransformerBlock& b : impl_->blocks) b.on_weights_updated(prepared);
   impl_->head_cast = Tensor();
 }
 

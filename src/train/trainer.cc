@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
+#include <unordered_map>
 
 #include "octet/core/allocator.h"
 #include "octet/core/determinism.h"
@@ -320,6 +321,13 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
       s.adamw.push_back({s.params[i].value, s.params[i].grad, s.adam_m[i], s.adam_v[i], decay});
     }
   }
+  // The FP8 weight casts of the next step are written with the update (AdamWTensor::cast).
+  std::unordered_map<const void*, const ops::FusedQuantize*> casts;
+  for (const auto& [weight, cast] : s.model->next_weight_casts()) casts[weight.raw_data()] = cast;
+  for (ops::AdamWTensor& t : s.adamw) {
+    const auto it = casts.find(t.param.raw_data());
+    t.cast = it != casts.end() ? it->second : nullptr;
+  }
   ops::AdamWArgs args;
   args.lr = static_cast<float>(r.lr);
   args.beta1 = kBeta1;
@@ -328,7 +336,7 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
   args.step = step;
   args.max_grad_norm = static_cast<float>(o.grad_clip);
   ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), norm_sq, args);
-  s.model->on_weights_updated();
+  s.model->on_weights_updated(nn::PreparedCast::written);
   r.grad_norm = std::sqrt(static_cast<double>(item_f32(norm_sq)));  // waits for the step
   s.step = step;
   return r;

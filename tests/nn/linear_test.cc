@@ -13,6 +13,7 @@
 #include "octet/nn/autocast.h"
 #include "octet/ops/activation.h"
 #include "octet/ops/norm.h"
+#include "octet/ops/optimizer.h"
 #include "test_util.h"
 
 namespace octet::nn {
@@ -310,6 +311,64 @@ TEST_P(LinearFp8Test, WeightIsCastOncePerStepAndReusedAcrossMicrobatches) {
     EXPECT_NE(testing::to_bytes(saved[0].snapshot.weight->q.scale_inv),
               testing::to_bytes(next.snapshot.weight->q.scale_inv));
     EXPECT_EQ(testing::to_bytes(saved[0].snapshot.weight->q.scale_inv), scale_inv_bytes);
+  }
+}
+
+TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t in = 192, out = 144, tokens = 80;  // partial 64-byte transpose tiles
+  Tensor x[2], dy[2];
+  for (int m = 0; m < 2; ++m) {
+    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
+    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
+  }
+  // Two equal layers take one step each: `adopted` lets AdamW write its next weight cast,
+  // `recast` casts the updated master at its next forward, as before.
+  Linear adopted(in, out, true, device, seed), recast(in, out, true, device, seed);
+  AmaxRegistry registry_a, registry_r;
+  run_microbatch(adopted, recipe, registry_a, x[0], dy[0]);
+  run_microbatch(recast, recipe, registry_r, x[0], dy[0]);
+  const ops::FusedQuantize* cast = adopted.next_weight_cast();
+  EXPECT_EQ(cast != nullptr, recipe.kind == fp8::RecipeKind::delayed)
+      << "offered exactly for delayed (per-tensor, stored-scale) recipes";
+  const Tensor norm_sq = Tensor::from_vector({1.0f}, {1}).to(device);
+  const auto step = [&](Linear& layer, const ops::FusedQuantize* weight_cast) {
+    const auto zeros = [&](const Tensor& t) {
+      return Tensor::zeros(t.shape(), DType::f32, device);
+    };
+    std::vector<ops::AdamWTensor> table = {
+        {layer.weight(), layer.grad_weight(), zeros(layer.weight()), zeros(layer.weight()), 0.1f,
+         weight_cast},
+        {layer.bias(), layer.grad_bias(), zeros(layer.bias()), zeros(layer.bias()), 0.0f}};
+    ops::adamw_step(table.data(), static_cast<int>(table.size()), norm_sq, ops::AdamWArgs{});
+    layer.on_weights_updated(weight_cast != nullptr ? PreparedCast::written
+                                                    : PreparedCast::dropped);
+    layer.zero_grad();
+  };
+  step(adopted, cast);
+  step(recast, nullptr);
+  Tensor y_a, y_r;
+  const Tensor dx_a = run_microbatch(adopted, recipe, registry_a, x[1], dy[1], &y_a);
+  const Tensor dx_r = run_microbatch(recast, recipe, registry_r, x[1], dy[1], &y_r);
+  EXPECT_TRUE(testing::bitwise_equal(y_a, y_r)) << "y";
+  EXPECT_TRUE(testing::bitwise_equal(dx_a, dx_r)) << "dx";
+  EXPECT_TRUE(testing::bitwise_equal(adopted.grad_weight(), recast.grad_weight())) << "dW";
+  EXPECT_TRUE(testing::bitwise_equal(adopted.grad_bias(), recast.grad_bias())) << "db";
+  EXPECT_EQ(adopted.weight_casts(), 2);
+  EXPECT_EQ(recast.weight_casts(), 2);
+  // A prepared cast that the optimizer did not write is never adopted.
+  if (recast.next_weight_cast() != nullptr) {
+    recast.on_weights_updated();
+    run_microbatch(recast, recipe, registry_r, x[1], dy[1]);
+    EXPECT_EQ(recast.weight_casts(), 3) << "dropped: the forward cast the weight itself";
+  }
+  for (const fp8::TensorRole role : {fp8::TensorRole::input, fp8::TensorRole::weight}) {
+    EXPECT_TRUE(
+        testing::bitwise_equal(adopted.fp8_state()->scale(role), recast.fp8_state()->scale(role)))
+        << "the FP8 state's scales evolve alike";
   }
 }
 

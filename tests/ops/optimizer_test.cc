@@ -13,6 +13,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "ops/op_check.h"
@@ -26,6 +27,7 @@ using testing::bitwise_equal;
 using testing::device_name;
 using testing::expect_error;
 using testing::fresh_seed;
+using testing::on;
 using testing::to_bytes;
 using testing::to_floats;
 
@@ -221,7 +223,7 @@ std::vector<MultiCase> multi_cases() {
   const std::vector<Shape> mix = {{1},     {2},     {3},     {4},     {5},       {7},   {17, 5},
                                   {768},   {1600},  {1601},  {3221},  {2333, 1}, {31},  {1000},
                                   {16383}, {16384}, {16385}, {12289}, {65537},   {2304}};
-  std::vector<Shape> many;  // more tensors than one CUDA launch describes (640)
+  std::vector<Shape> many;  // more tensors than one CUDA launch describes (400)
   for (int i = 0; i < 700; ++i) many.push_back({i % 7 + 1});
   std::vector<MultiCase> cases;
   for (const Device& d : testing::all_backends()) {
@@ -309,6 +311,128 @@ INSTANTIATE_TEST_SUITE_P(Ops, AdamWMultiTensor, ::testing::ValuesIn(multi_cases(
                          [](const ::testing::TestParamInfo<MultiCase>& info) {
                            return device_name(info.param.backend) + "_" + info.param.name;
                          });
+
+// ----------------------------------------------------------------------------
+// adamw_step with FP8 casts of the updated parameters (AdamWTensor::cast)
+
+struct CastEntry {
+  Shape shape;
+  DType fp8;
+  fp8::Usage usage;
+  bool amax;
+  bool cast = true;
+};
+
+/// The step with casts on `backend`, and the same step without them followed by ops::quantize of
+/// each updated parameter: every tensor, FP8 copy, scale and amax bitwise equal. On CUDA the cast
+/// results must also equal the CPU's (both are bitwise the reference semantics).
+TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // Awkward and aligned shapes, both FP8 dtypes, every combination of copies, and an entry
+  // without a cast (a bias) in the same launch.
+  const std::vector<CastEntry> entries = {{{1481, 677}, DType::e4m3, {true, true}, true},
+                                          {{128, 256}, DType::e5m2, {true, true}, true},
+                                          {{96, 80}, DType::e4m3, {true, false}, false},
+                                          {{200}, DType::e4m3, {}, false, false},
+                                          {{64, 48}, DType::e4m3, {false, true}, true},
+                                          {{1600, 64}, DType::e5m2, {true, true}, true}};
+  ops::AdamWArgs args;
+  args.lr = 1e-2f;
+  args.step = 3;
+  const float norm_value = 4.0f;
+  /// Scale: values of about 0.05 reach the FP8 maximum, so the largest saturate.
+  constexpr float kAmaxAtMax = 0.05f;
+  constexpr float kAmaxBefore = 1e-4f;
+
+  struct Run {
+    std::vector<Tensor> param, m, v;
+    std::vector<fp8::QuantizedTensor> q;
+    std::vector<Tensor> amax;
+  };
+  const auto run = [&](const Device& device, bool fused) {
+    Run r;
+    std::vector<ops::AdamWTensor> table;
+    std::vector<ops::FusedQuantize> casts(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      const CastEntry& e = entries[i];
+      const uint64_t s = seed + 4 * i;
+      r.param.push_back(testing::random_tensor(e.shape, DType::f32, s, 0.1f).to(device));
+      const Tensor grad = testing::random_tensor(e.shape, DType::f32, s + 1).to(device);
+      r.m.push_back(testing::random_tensor(e.shape, DType::f32, s + 2, 0.1f).to(device));
+      Tensor v = testing::random_tensor(e.shape, DType::f32, s + 3, 0.01f);
+      for (int64_t j = 0; j < v.numel(); ++j) v.data<float>()[j] = std::fabs(v.data<float>()[j]);
+      r.v.push_back(v.to(device));
+      table.push_back({r.param[i], grad, r.m[i], r.v[i], 0.1f});
+      r.q.push_back(e.cast ? fp8::QuantizedTensor::allocate(e.shape[0], e.shape[1], e.fp8,
+                                                            fp8::ScalingMode::per_tensor, e.usage,
+                                                            device)
+                           : fp8::QuantizedTensor());
+      r.amax.push_back(on(Tensor::from_vector({kAmaxBefore}, {1}), device));
+    }
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (!entries[i].cast) continue;
+      casts[i].out = &r.q[i];
+      casts[i].args.scale =
+          on(Tensor::from_vector({fp8::fp8_max(entries[i].fp8) / kAmaxAtMax}, {1}), device);
+      if (entries[i].amax) casts[i].args.amax = r.amax[i];
+      if (fused) table[i].cast = &casts[i];
+    }
+    const Tensor norm = on(Tensor::from_vector({norm_value}, {1}), device);
+    ops::adamw_step(table.data(), static_cast<int>(table.size()), norm, args);
+    if (!fused) {
+      for (size_t i = 0; i < entries.size(); ++i)
+        if (entries[i].cast) ops::quantize(r.param[i], r.q[i], casts[i].args);
+    }
+    return r;
+  };
+  const auto expect_equal = [&](const Run& a, const Run& b) {
+    for (size_t i = 0; i < entries.size(); ++i) {
+      SCOPED_TRACE("entry " + std::to_string(i));
+      EXPECT_TRUE(bitwise_equal(a.param[i], b.param[i])) << "param";
+      EXPECT_TRUE(bitwise_equal(a.m[i], b.m[i])) << "m";
+      EXPECT_TRUE(bitwise_equal(a.v[i], b.v[i])) << "v";
+      EXPECT_TRUE(bitwise_equal(a.amax[i], b.amax[i])) << "amax";
+      if (!entries[i].cast) continue;
+      for (const auto& [x, y, what] :
+           {std::tuple{&a.q[i].data, &b.q[i].data, "data"},
+            std::tuple{&a.q[i].data_t, &b.q[i].data_t, "data_t"},
+            std::tuple{&a.q[i].scale_inv, &b.q[i].scale_inv, "scale_inv"},
+            std::tuple{&a.q[i].scale_inv_t, &b.q[i].scale_inv_t, "scale_inv_t"}}) {
+        EXPECT_EQ(x->defined(), y->defined()) << what;
+        if (x->defined()) EXPECT_TRUE(bitwise_equal(*x, *y)) << what;
+      }
+    }
+  };
+  const Run cpu = run(Device::cpu(), true);
+  expect_equal(cpu, run(Device::cpu(), false));
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].amax) EXPECT_GT(to_floats(cpu.amax[i])[0], kAmaxBefore) << "amax not raised";
+  }
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const Run cuda = run(gpu, true);
+  expect_equal(cuda, run(gpu, false));
+  expect_equal(cuda, cpu);
+}
+
+TEST(AdamWCast, RefusesWhatItCannotWrite) {
+  const Tensor p = Tensor::zeros({4, 8}, DType::f32), b = Tensor::zeros({8}, DType::f32);
+  const Tensor norm = Tensor::from_vector({1.0f}, {1});
+  fp8::QuantizedTensor block = fp8::QuantizedTensor::allocate(
+      4, 8, DType::e4m3, fp8::ScalingMode::block_1x128, {true, true}, Device::cpu());
+  fp8::QuantizedTensor wrong = fp8::QuantizedTensor::allocate(
+      8, 4, DType::e4m3, fp8::ScalingMode::per_tensor, {true, true}, Device::cpu());
+  ops::FusedQuantize block_cast{&block, {}}, wrong_cast{&wrong, {}};
+  wrong_cast.args.scale = Tensor::from_vector({1.0f}, {1});
+  const auto step = [&](const Tensor& param, const ops::FusedQuantize* cast) {
+    ops::AdamWTensor t{param, param.clone(), param.clone(), param.clone(), 0.0f, cast};
+    ops::adamw_step(&t, 1, norm, ops::AdamWArgs{});
+  };
+  expect_error([&] { step(p, &block_cast); }, {"adamw_step", "tensors[0].cast", "per_tensor"});
+  expect_error([&] { step(b, &wrong_cast); }, {"adamw_step", "needs a 2-D parameter"});
+  expect_error([&] { step(p, &wrong_cast); }, {"adamw_step", "shape mismatch"});
+}
 
 // ----------------------------------------------------------------------------
 // CUDA: bit-exact agreement and repeatability

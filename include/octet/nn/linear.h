@@ -46,6 +46,9 @@ struct WeightCast {
   Tensor bias_bf16;
 };
 
+/// Whether the optimizer wrote the weight cast that Linear::next_weight_cast() prepared.
+enum class PreparedCast : uint8_t { dropped, written };
+
 /// How zero_grad clears a weight gradient.
 enum class ZeroGrad : uint8_t {
   now,  ///< zeroed at once
@@ -147,8 +150,18 @@ class Linear {
   /// Zeroes a weight gradient still waiting for its write (ZeroGrad::on_next_write with no
   /// backward since): call before reading grad_weight() when a backward may not have run.
   void settle_grad();
-  /// The optimizer changed the master weights: the next forward casts them again.
-  void on_weights_updated() { weight_cast_.reset(); }
+  /// The optimizer changed the master weights: the next forward casts them again, unless the
+  /// optimizer wrote the cast next_weight_cast() prepared (PreparedCast::written), which is then
+  /// adopted. A prepared cast is dropped otherwise.
+  void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);
+  /// The FP8 weight cast for the next optimizer step, for the optimizer to write together with
+  /// the update (ops::AdamWTensor::cast), so that the next forward needs no pass over the FP32
+  /// master. Offered when this step's cast was FP8 with a stored per-tensor scale (delayed
+  /// scaling): the cast then uses the state's weight scale as it stands, which no update changes
+  /// before the next step's first forward, and records the weight amax as that forward's cast
+  /// would. nullptr otherwise. The caller writes it, then calls
+  /// on_weights_updated(PreparedCast::written); a next forward under another recipe casts again.
+  const ops::FusedQuantize* next_weight_cast();
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -205,6 +218,9 @@ class Linear {
   Tensor weight_, bias_, grad_weight_, grad_bias_;
   std::shared_ptr<FP8State> state_;
   std::shared_ptr<const WeightCast> weight_cast_;
+  /// next_weight_cast()'s cast and the optimizer's target for it, until on_weights_updated().
+  std::shared_ptr<WeightCast> next_cast_;
+  ops::FusedQuantize next_cast_target_;
   int64_t weight_casts_ = 0;
   /// grad_weight_ waits for its overwrite (ZeroGrad::on_next_write): the next wgrad GEMM writes.
   bool grad_weight_unwritten_ = false;

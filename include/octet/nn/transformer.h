@@ -189,7 +189,8 @@ class TransformerBlock {
   void zero_grad(ZeroGrad how = ZeroGrad::now);
   /// Linear::settle_grad for every Linear of the block.
   void settle_grads();
-  void on_weights_updated();
+  /// Linear::on_weights_updated for every Linear of the block.
+  void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);
 
   bool recompute() const { return recompute_; }
   const BlockConfig& config() const { return config_; }

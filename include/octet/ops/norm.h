@@ -6,14 +6,6 @@
 
 namespace octet::ops {
 
-/// Optional FP8 output of a fused op: the op also writes quantize(its output) into `out`, exactly
-/// as ops::quantize would on the op's (f32/bf16) output, in the same kernel where the backend can.
-/// Supported fused modes: per_tensor (rowwise, and the transposed copy when allocated).
-struct FusedQuantize {
-  fp8::QuantizedTensor* out = nullptr;
-  QuantizeArgs args;
-};
-
 /// y = (x - mean) * rstd * gamma + beta per row; x, y [rows, cols] f32|bf16 (same dtype); gamma,
 /// beta f32 [cols]; mean, rstd f32 [rows] are written for the backward pass. Statistics in f32:
 /// mean = sum(x)/cols, var = sum((x-mean)^2)/cols, rstd = 1/sqrt(var + eps). With `fused`, y's

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "octet/core/tensor.h"
+#include "octet/ops/quantize.h"
 
 namespace octet::ops {
 
@@ -31,6 +32,13 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
 struct AdamWTensor {
   Tensor param, grad, m, v;   ///< f32, all of param's shape
   float weight_decay = 0.0f;  ///< this tensor's decoupled decay (0 for biases and norm gains)
+  /// Optional: the updated param's FP8 cast, written by the same step, bitwise what
+  /// ops::quantize(param, *cast->out, cast->args) would write after it: a 2-D param, per-tensor
+  /// scaling, the copies cast->out allocated, scale_inv, and cast->args.amax raised (no column
+  /// sums). The next forward's weight cast (nn::Linear::next_weight_cast) then needs no pass
+  /// over the FP32 master: on CUDA the row-wise copy is stored with the update and the
+  /// transposed copy is made from those bytes.
+  const FusedQuantize* cast = nullptr;
 };
 
 /// The one-tensor adamw_step for every entry of `tensors` (count >= 1, all on norm_sq's device),

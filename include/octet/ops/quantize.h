@@ -28,6 +28,14 @@ struct QuantizeArgs {
   Tensor column_sums;
 };
 
+/// Optional FP8 output of a fused op (norms, activations, the optimizer step): the op also writes
+/// quantize(its output) into `out`, exactly as ops::quantize would on the op's (f32/bf16) output,
+/// in the same kernel where the backend can. Which modes and copies each op fuses is in its brief.
+struct FusedQuantize {
+  fp8::QuantizedTensor* out = nullptr;
+  QuantizeArgs args;
+};
+
 /// Quantizes the [rows, cols] matrix view of x (f32 or bf16) into `out`, whose allocated buffers
 /// (see QuantizedTensor::allocate) decide the scaling mode and which copies are written. Writes
 /// data/data_t and scale_inv/scale_inv_t. Throws on shape, dtype or device mismatch.

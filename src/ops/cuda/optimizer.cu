@@ -3,14 +3,17 @@
 // order), with no float atomics; adamw_step runs optimizer_math.h's scalar step over all tensors in
 // one launch. Both equal the CPU reference bit for bit, and neither synchronises with the host
 // (the clip factor is read from norm_sq on the device) nor allocates for the step.
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 
 #include "octet/core/cuda_context.h"
+#include "octet/fp8/scaling_math.h"
 #include "ops/fixed_order_reduce.h"
 #include "ops/optimizer_backend.h"
+#include "ops/quantize_backend.h"
 
 namespace octet::ops::cuda {
 namespace {
@@ -20,9 +23,17 @@ constexpr int kAdamWThreads = 256;
 /// Bytes of parameters one kernel launch may take: 32,764 since CUDA 12.1 on Volta and newer
 /// (CUDA C++ Programming Guide, "Function Parameters"); octet builds for sm_90 with CUDA 13.
 constexpr size_t kMaxKernelParamBytes = 32764;
-/// Tensors per launch of the AdamW kernel: as many as fit in the parameters (48 bytes each), so
-/// GPT-2 1.5B's 580 parameter tensors take one launch. Longer lists take one launch per 640.
-constexpr int kAdamWMaxTensors = 640;
+/// Tensors per launch of the AdamW kernel: as many as fit in the parameters (73 bytes each with
+/// the FP8 cast's pointers), so GPT-2 1.5B's 580 parameter tensors take two launches.
+constexpr int kAdamWMaxTensors = 400;
+/// Side of the square tile of the FP8 transpose that makes a cast's transposed copy.
+constexpr int kTransposeTile = 64;
+constexpr int kTransposeThreads = 256;
+/// 16-byte segments of a tile row: each thread moves one on load and one on store.
+constexpr int kTransposeSegments = kTransposeTile / 16;
+static_assert(kTransposeTile * kTransposeSegments == kTransposeThreads, "one segment per thread");
+/// The largest gridDim.y (CUDA Programming Guide, "Compute Capabilities").
+constexpr int64_t kMaxGridY = 65535;
 /// Tensors described per launch of the norm kernels. The batch travels as a kernel parameter
 /// (about 0.8 KB, well under the 4 KB every CUDA version accepts), so no descriptor table has to
 /// be copied to the device.
@@ -48,6 +59,12 @@ struct AdamWBatch {
   float* v[kAdamWMaxTensors];
   int64_t numel[kAdamWMaxTensors];
   float weight_decay[kAdamWMaxTensors];
+  /// The FP8 cast of the updated tensor (AdamWTensor::cast): the row-wise codes, the per-tensor
+  /// multiplier and the amax to raise; nullptr without a cast.
+  uint8_t* fp8[kAdamWMaxTensors];
+  const float* fp8_scale[kAdamWMaxTensors];
+  uint32_t* fp8_amax[kAdamWMaxTensors];
+  bool fp8_e5m2[kAdamWMaxTensors];
   int32_t first_chunk[kAdamWMaxTensors + 1];
   int count;
 };
@@ -113,9 +130,34 @@ __device__ __forceinline__ void adamw_update4(float4& p, const float4& g, float4
   adamw_update(p.w, g.w, m.w, v.w, c, weight_decay, clip);
 }
 
+/// The FP8 side of a chunk whose tensor has a cast: codes of the updated values (the f32
+/// multiply and the saturating converter of fp8_kernels/fused_cast, bit-identical to
+/// ops::quantize), and the chunk's max |value| as float bits.
+struct Fp8Chunk {
+  uint8_t* codes = nullptr;  ///< nullptr: no cast
+  float scale = 0.0f;
+  __nv_fp8_interpretation_t format = __NV_E4M3;
+  uint32_t amax_bits = 0;
+
+  __device__ void put(int64_t i, float value) {
+    if (codes == nullptr) return;
+    codes[i] = __nv_cvt_float_to_fp8(value * scale, __NV_SATFINITE, format);
+    const uint32_t bits = __float_as_uint(value) & 0x7FFFFFFFu;  // |value|, NaN above inf
+    amax_bits = bits > amax_bits ? bits : amax_bits;
+  }
+  __device__ void put4(int64_t i, const float4& p) {
+    if (codes == nullptr) return;
+    put(i, p.x);
+    put(i + 1, p.y);
+    put(i + 2, p.z);
+    put(i + 3, p.w);
+  }
+};
+
 /// One CTA per chunk of kAdamWChunk elements of one tensor, so large and small tensors share one
 /// grid. Every thread derives the clip factor from norm_sq itself (a broadcast load), so the host
-/// never waits for the norm.
+/// never waits for the norm. A tensor with a cast also gets its updated values' FP8 codes, and
+/// the CTA raises the cast's amax after every code is stored (DESIGN.md rule 1).
 __global__ void __launch_bounds__(kAdamWThreads)
     adamw_multi_tensor_kernel(const __grid_constant__ AdamWBatch batch,
                               const float* __restrict__ norm_sq, const AdamWCoefficients c) {
@@ -140,6 +182,12 @@ __global__ void __launch_bounds__(kAdamWThreads)
   float* __restrict__ v = batch.v[j] + begin;
   const float weight_decay = batch.weight_decay[j];
   const float clip = adamw_clip_factor(norm_sq[0], c.max_grad_norm);
+  Fp8Chunk cast;
+  if (batch.fp8[j] != nullptr) {  // uniform over the CTA
+    cast.codes = batch.fp8[j] + begin;
+    cast.scale = *batch.fp8_scale[j];
+    cast.format = batch.fp8_e5m2[j] ? __NV_E5M2 : __NV_E4M3;
+  }
 
   // float4 accesses when all four tensors are 16-byte aligned (a chunk starts at a multiple of 4
   // elements, so it is aligned when its tensor is); the order of elements does not matter, since
@@ -156,6 +204,7 @@ __global__ void __launch_bounds__(kAdamWThreads)
     reinterpret_cast<float4*>(param)[i] = p;
     reinterpret_cast<float4*>(m)[i] = mi;
     reinterpret_cast<float4*>(v)[i] = vi;
+    cast.put4(4 * static_cast<int64_t>(i), p);
   }
   for (int i = 4 * vectors + threadIdx.x; i < n; i += kAdamWThreads) {
     float p = param[i], mi = m[i], vi = v[i];
@@ -163,6 +212,72 @@ __global__ void __launch_bounds__(kAdamWThreads)
     param[i] = p;
     m[i] = mi;
     v[i] = vi;
+    cast.put(i, p);
+  }
+  if (cast.codes == nullptr) return;  // uniform over the CTA
+  __shared__ uint32_t warp_max[kAdamWThreads / kWarpSize];
+  uint32_t bits = cast.amax_bits;
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
+    bits = max(bits, __shfl_xor_sync(0xFFFFFFFFu, bits, offset));
+  if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = bits;
+  __syncthreads();  // every code of the CTA is stored, and the warps' maxima are in
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kAdamWThreads / kWarpSize; ++w) bits = max(bits, warp_max[w]);
+    __threadfence();  // the codes before the amax (FIELD-NOTES.md section 1)
+    if (batch.fp8_amax[j] != nullptr) atomicMax(batch.fp8_amax[j], max(bits, warp_max[0]));
+  }
+}
+
+/// The transposed copy of an FP8 matrix: out [cols, rows] from in [rows, cols], one 64x64 tile
+/// per CTA through shared memory (16-byte global accesses when the tile is whole and aligned).
+/// CTA (0, 0) also writes the cast's scale_inv (and scale_inv_t when it is a tensor of its own).
+__global__ void __launch_bounds__(kTransposeThreads)
+    fp8_transpose_kernel(const uint8_t* __restrict__ in, uint8_t* __restrict__ out, int64_t rows,
+                         int64_t cols, const float* __restrict__ scale, float* scale_inv,
+                         float* scale_inv_t) {
+  // Rows padded by 4 bytes: the 16 rows a store gathers from start in different banks.
+  __shared__ __align__(16) uint8_t tile[kTransposeTile][kTransposeTile + 4];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTransposeTile;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTransposeTile;
+  const int line = static_cast<int>(threadIdx.x) / kTransposeSegments;  // a row of the tile
+  const int seg = static_cast<int>(threadIdx.x) % kTransposeSegments;   // its 16-byte segment
+  const bool whole = r0 + kTransposeTile <= rows && c0 + kTransposeTile <= cols;
+  const bool vec_in = whole && cols % 16 == 0 && reinterpret_cast<uintptr_t>(in) % 16 == 0;
+  const bool vec_out = whole && rows % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  {
+    const int64_t r = r0 + line, c = c0 + seg * 16;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(&tile[line][seg * 16]);
+    if (vec_in) {
+      const uint4 v = *reinterpret_cast<const uint4*>(in + r * cols + c);
+      dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+    } else {
+      for (int k = 0; k < 16; ++k)
+        tile[line][seg * 16 + k] = (r < rows && c + k < cols) ? in[r * cols + c + k] : 0;
+    }
+  }
+  __syncthreads();
+  {
+    const int64_t r = c0 + line, c = r0 + seg * 16;  // out's row (in's column) and columns
+    uint32_t word[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      word[q] = static_cast<uint32_t>(tile[seg * 16 + 4 * q][line]) |
+                static_cast<uint32_t>(tile[seg * 16 + 4 * q + 1][line]) << 8 |
+                static_cast<uint32_t>(tile[seg * 16 + 4 * q + 2][line]) << 16 |
+                static_cast<uint32_t>(tile[seg * 16 + 4 * q + 3][line]) << 24;
+    }
+    if (vec_out) {
+      *reinterpret_cast<uint4*>(out + r * rows + c) =
+          make_uint4(word[0], word[1], word[2], word[3]);
+    } else if (r < cols) {
+      for (int k = 0; k < 16 && c + k < rows; ++k)
+        out[r * rows + c + k] = static_cast<uint8_t>(word[k / 4] >> (8 * (k % 4)));
+    }
+  }
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) {
+    const float inverse = fp8::scale_inv_of(*scale);
+    if (scale_inv != nullptr) *scale_inv = inverse;
+    if (scale_inv_t != nullptr) *scale_inv_t = inverse;
   }
 }
 
@@ -170,6 +285,35 @@ __global__ void __launch_bounds__(kAdamWThreads)
 
 // ----------------------------------------------------------------------------
 // kernel launchers
+
+/// After the step's kernel: the cast's transposed copy from its row-wise codes, and its scales.
+/// A cast with only the transposed copy (nothing for the step's kernel to store) is quantized
+/// from the updated parameter instead.
+void finish_cast(const AdamWTensor& t, cudaStream_t stream) {
+  const fp8::QuantizedTensor& q = *t.cast->out;
+  if (!q.has_rowwise()) {
+    fp8::QuantizedTensor out = q;
+    cuda::quantize(t.param, out, t.cast->args);
+    return;
+  }
+  const int64_t rows = t.param.rows(), cols = t.param.cols();
+  float* scale_inv_t = q.has_columnwise() && q.scale_inv_t.raw_data() != q.scale_inv.raw_data()
+                           ? q.scale_inv_t.data<float>()
+                           : nullptr;
+  const int64_t tiles_x = ceil_div(cols, kTransposeTile), tiles_y = ceil_div(rows, kTransposeTile);
+  OCTET_CHECK(tiles_y <= kMaxGridY, "adamw_step: a [", rows, ", ", cols,
+              "] cast exceeds the transpose's grid");
+  // Without a transposed copy one CTA still writes the scales (and moves nothing).
+  const bool transposed = q.has_columnwise();
+  fp8_transpose_kernel<<<dim3(static_cast<unsigned>(transposed ? tiles_x : 1),
+                              static_cast<unsigned>(transposed ? tiles_y : 1)),
+                         kTransposeThreads, 0, stream>>>(
+      static_cast<const uint8_t*>(q.data.raw_data()),
+      transposed ? static_cast<uint8_t*>(q.data_t.raw_data()) : nullptr, transposed ? rows : 0,
+      transposed ? cols : 0, t.cast->args.scale.data<float>(), q.scale_inv.data<float>(),
+      scale_inv_t);
+  OCTET_CHECK_LAUNCH();
+}
 
 void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) {
   const Device& device = norm_sq.device();
@@ -227,6 +371,15 @@ void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
       batch.v[j] = t.v.data<float>();
       batch.numel[j] = t.param.numel();
       batch.weight_decay[j] = t.weight_decay;
+      if (t.cast != nullptr) {
+        const fp8::QuantizedTensor& q = *t.cast->out;
+        batch.fp8[j] = q.has_rowwise() ? static_cast<uint8_t*>(q.data.raw_data()) : nullptr;
+        batch.fp8_scale[j] = t.cast->args.scale.data<float>();
+        batch.fp8_amax[j] = t.cast->args.amax.defined()
+                                ? static_cast<uint32_t*>(t.cast->args.amax.raw_data())
+                                : nullptr;
+        batch.fp8_e5m2[j] = q.dtype == DType::e5m2;
+      }
       const int64_t next_chunk = batch.first_chunk[j] + ceil_div(t.param.numel(), kAdamWChunk);
       OCTET_CHECK(next_chunk <= INT32_MAX, "adamw_step: ", next_chunk,
                   " chunks in one launch exceed the grid limit");
@@ -236,6 +389,9 @@ void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
                                 kAdamWThreads, 0, stream>>>(batch, norm_sq.data<float>(),
                                                             coefficients);
     OCTET_CHECK_LAUNCH();
+  }
+  for (int i = 0; i < count; ++i) {
+    if (tensors[i].cast != nullptr) finish_cast(tensors[i], stream);
   }
 }
 
