@@ -3,6 +3,8 @@
 # peer (bench/peers/gpt2_torch.py: bf16 autocast, SDPA, fused AdamW, eager and torch.compile) at
 # the same GPT-2 shapes. One JSON line per run into $OUT/train_bench.jsonl.
 #   scripts/bench-train.sh [BUILD_DIR]      (after scripts/gpu-check.sh build)
+# PEER_MODE=compile|eager|both (default both) picks the PyTorch peer's modes; MODELS (default
+# "gpt2-124m gpt2-1.5b") the sizes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${1:-build-gpu}"
@@ -18,11 +20,11 @@ run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to 
     echo "{\"error\":\"$*: $(tail -n 1 "$OUT/bench_train_stderr.log" | tr -d '"\\')\"}" | tee -a "$results"
   fi
 }
-for model in gpt2-124m gpt2-1.5b; do
+for model in ${MODELS:-gpt2-124m gpt2-1.5b}; do
   for precision in fp8-delayed bf16; do
     run 150 "$BUILD_DIR/octet" bench train --model "$model" --precision "$precision" \
       --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup-steps 3
   done
   run 240 python3 bench/peers/gpt2_torch.py --model "$model" --batch 8 --seq 1024 --steps 10 \
-    --warmup 3 --mode both
+    --warmup 3 --mode "${PEER_MODE:-both}"
 done
