@@ -2,10 +2,13 @@
 // more, several rows per CTA when rows are short), 16-byte packed loads and stores when the row
 // length and the pointers allow, the scalar formulas of activation_math.h.
 //
-// Rows of at most kWarpRowMaxPacks 16-byte packs per lane (2048 bf16 or 1024 f32 columns: every
-// GPT-2 and Llama width octet trains) take the warp-row kernels: one warp per row, the row held
-// in registers, every load issued before the first use, and warp-shuffle reductions with no CTA
-// barrier per row. Longer or unaligned rows take the general kernels below them.
+// In the forward, rows of at most kWarpRowMaxPacks 16-byte packs per lane (2048 bf16 or 1024 f32
+// columns: every GPT-2 and Llama width octet trains) take the warp-row kernel: one warp per row,
+// the row held in registers, every load issued before the first use, and warp-shuffle reductions
+// with no CTA barrier per row. Longer or unaligned rows take the general kernel. (A warp-row
+// backward, holding dy and x of a row in registers, measured slower than the general backward on
+// the H200: 8.5 against 6.3 ms per GPT-2 1.5B step, 2026-12-01; its 186 registers left one CTA
+// of 8 warps per SM.)
 //
 // Forward: the row is read from global memory once, kept as f32 (registers, or shared memory in
 // the general kernel), and reduced twice (mean, then the sum of squares around it), then
@@ -62,11 +65,6 @@ constexpr int kWarpRowMaxPacks = 8;
 /// tile is one 32-byte sector of the transposed copy. The tile's codes are staged in shared
 /// memory (32 bytes per column: 51 KB at GPT-2 1.5B's 1600 columns).
 constexpr int kTransposeTileRows = 32;
-/// Warp-row backward: rows per tile (per CTA and dgamma/dbeta partial row). The kernel holds two
-/// rows of up to 8 packs per lane (about 186 registers: one CTA of 8 warps per SM), so 64 rows
-/// give GPT-2's 8192 training rows 128 CTAs, one wave on an H200's 132 SMs, each warp walking 8
-/// rows with 8 KiB of loads in flight; the partials are then 4% of the kernel's traffic.
-constexpr int64_t kWarpRowTileRows = 64;
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -229,98 +227,6 @@ __global__ void __launch_bounds__(kWarpSize* kWarpRowWarps)
     store_transposed_tile(stage, cast.data_t, r0, rows, cols);
   }
   finish_cast(ct, amax_scratch);  // after every store of both copies (DESIGN.md rule 1)
-}
-
-/// norm_backward_kernel for rows that fit a warp's registers: block (32, kWarpRowWarps); the CTA
-/// owns the tile of kWarpRowTileRows rows at blockIdx.x, warp y taking rows y, y + kWarpRowWarps,
-/// ... of it. dy and x stay in registers between the two passes; each warp accumulates dy * xhat
-/// (and dy) for the lane's columns in its own shared-memory slice [kSums, cols], and the CTA then
-/// adds the warps' slices in warp order into the tile's slot of `partials` [tiles, kSums, cols].
-template <typename T, int kN, int kPacks, bool kRms>
-__global__ void __launch_bounds__(kWarpSize* kWarpRowWarps)
-    norm_backward_warp_row_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                  const float* __restrict__ gamma, const float* __restrict__ mean,
-                                  const float* __restrict__ rstd, const T* residual, T* dx,
-                                  float* partials, int64_t rows, int64_t cols) {
-  constexpr int kSums = kRms ? 1 : 2;
-  extern __shared__ float4 acc_raw[];  // [kWarpRowWarps][kSums][cols]
-  const auto add = [](float a, float b) { return a + b; };
-  const WarpRow<kPacks> w{cols / kN, static_cast<int>(threadIdx.x)};
-  const float n = static_cast<float>(cols);
-  float* acc = reinterpret_cast<float*>(acc_raw) + threadIdx.y * kSums * cols;
-  // Each lane owns the same columns of its warp's slice in every row: no barrier until the end.
-  Pack<float, kN> zero;
-#pragma unroll
-  for (int k = 0; k < kN; ++k) zero.v[k] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kPacks; ++i) {
-    if (!w.valid(i)) continue;
-#pragma unroll
-    for (int j = 0; j < kSums; ++j) store_pack<kN>(acc + j * cols + w.pack(i) * kN, zero);
-  }
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kWarpRowTileRows;
-  const int64_t r1 = min(rows, r0 + kWarpRowTileRows);
-  for (int64_t r = r0 + threadIdx.y; r < r1; r += kWarpRowWarps) {  // warp-uniform
-    Pack<T, kN> g[kPacks], xv[kPacks];
-    load_row<kPacks, T, kN>(w, dy + r * cols, g);
-    load_row<kPacks, T, kN>(w, x + r * cols, xv);
-    const float m = kRms ? 0.0f : mean[r];
-    const float s = rstd[r];
-    float sum_dxhat = 0.0f, sum_dxhat_xhat = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kPacks; ++i) {
-      if (!w.valid(i)) continue;
-      const int64_t c = w.pack(i) * kN;
-      const Pack<float, kN> gm = load_pack<kN>(gamma + c);
-      Pack<float, kN> acc_g = load_pack<kN>(acc + c), acc_b;
-      if constexpr (!kRms) acc_b = load_pack<kN>(acc + cols + c);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        const float gk = math::to_float(g[i].v[k]);
-        const float xhat = math::norm_xhat(math::to_float(xv[i].v[k]), m, s);
-        const float dxhat = gk * gm.v[k];
-        sum_dxhat += dxhat;
-        sum_dxhat_xhat += dxhat * xhat;
-        acc_g.v[k] += gk * xhat;
-        if constexpr (!kRms) acc_b.v[k] += gk;
-      }
-      store_pack<kN>(acc + c, acc_g);
-      if constexpr (!kRms) store_pack<kN>(acc + cols + c, acc_b);
-    }
-    const float mean_dxhat = kRms ? 0.0f : warp_reduce(sum_dxhat, add) / n;
-    const float mean_dxhat_xhat = warp_reduce(sum_dxhat_xhat, add) / n;
-    CastThread no_cast(FusedCast{});
-#pragma unroll
-    for (int i = 0; i < kPacks; ++i) {
-      if (!w.valid(i)) continue;
-      const int64_t c = w.pack(i) * kN;
-      const Pack<float, kN> gm = load_pack<kN>(gamma + c);
-      float out[kN];
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        out[k] = math::norm_dx(math::to_float(g[i].v[k]) * gm.v[k],
-                               math::norm_xhat(math::to_float(xv[i].v[k]), m, s), s, mean_dxhat,
-                               mean_dxhat_xhat);
-      }
-      if (residual != nullptr) {  // as ops::add would: the rounded gradient plus the residual
-        const Pack<T, kN> res = load_pack<kN>(residual + r * cols + c);
-#pragma unroll
-        for (int k = 0; k < kN; ++k)  // __fadd_rn: never contracted with norm_dx's multiply
-          out[k] = __fadd_rn(math::to_float(math::from_float<T>(out[k])), math::to_float(res.v[k]));
-      }
-      store_output<T, kN>(dx, r * cols + c, out, no_cast);
-    }
-  }
-  __syncthreads();
-  const float* slices = reinterpret_cast<const float*>(acc_raw);
-  float* tile_partial = partials + static_cast<int64_t>(blockIdx.x) * kSums * cols;
-  const int tid = threadIdx.y * kWarpSize + threadIdx.x;
-  for (int64_t i = tid; i < kSums * cols; i += kWarpSize * kWarpRowWarps) {
-    float v = 0.0f;
-#pragma unroll
-    for (int wi = 0; wi < kWarpRowWarps; ++wi) v += slices[wi * kSums * cols + i];
-    tile_partial[i] = v;
-  }
 }
 
 /// Sums both components over the thread group of one row (threadIdx.y) in a fixed order; every
@@ -632,40 +538,6 @@ bool launch_forward_warp_row(const Tensor& x, const Tensor& gamma, const Tensor&
   }
 }
 
-/// The warp-row backward and its column sums when the row fits (vectorized rows only, and the
-/// warps' accumulators within the shared memory a CTA may opt into); false otherwise.
-template <typename T, int kN, bool kRms>
-bool launch_backward_warp_row(const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                              const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                              const Tensor& dgamma, const Tensor& dbeta, const Tensor& residual) {
-  if constexpr (kN == 1) {
-    return false;
-  } else {
-    constexpr int kSums = kRms ? 1 : 2;
-    const Device& device = x.device();
-    const cudaStream_t stream = octet::cuda::stream(device);
-    const int64_t rows = x.rows(), cols = x.cols();
-    const size_t smem = sizeof(float) * kWarpRowWarps * kSums * cols;
-    const int64_t tiles = ceil_div(rows, kWarpRowTileRows);
-    if (smem > smem_budget(device) || tiles > INT32_MAX) return false;
-    Tensor partials;  // stream-ordered workspace, freed after the kernels that use it
-    const bool fits = visit_warp_row_packs(cols / kN, [&](auto packs) {
-      auto kernel = norm_backward_warp_row_kernel<T, kN, decltype(packs)::value, kRms>;
-      allow_smem(kernel, smem);
-      partials = Tensor::empty({tiles, kSums, cols}, DType::f32, device);
-      kernel<<<static_cast<unsigned>(tiles), dim3(kWarpSize, kWarpRowWarps), smem, stream>>>(
-          static_cast<const T*>(dy.raw_data()), static_cast<const T*>(x.raw_data()),
-          gamma.data<float>(), kRms ? nullptr : mean.data<float>(), rstd.data<float>(),
-          static_cast<const T*>(ptr_or_null(residual)), static_cast<T*>(dx.raw_data()),
-          partials.data<float>(), rows, cols);
-      OCTET_CHECK_LAUNCH();
-    });
-    if (!fits) return false;
-    launch_column_sums(partials, kSums, dgamma, dbeta, stream);
-    return true;
-  }
-}
-
 /// Returns whether the cast's transposed copy was written.
 template <typename T, int kN, bool kRms>
 bool launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps,
@@ -697,8 +569,6 @@ template <typename T, int kN, bool kRms>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                      const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
                      const Tensor& dbeta, const Tensor& residual) {
-  if (launch_backward_warp_row<T, kN, kRms>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual))
-    return;
   constexpr int kSums = kRms ? 1 : 2;
   const Device& device = x.device();
   const cudaStream_t stream = octet::cuda::stream(device);
