@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -201,6 +202,19 @@ Tensor run_microbatch(Linear& layer, const Recipe& recipe, AmaxRegistry& registr
   return dx;
 }
 
+/// Inputs and output gradients of two microbatches of `tokens` rows, drawn from `seed`.
+std::pair<std::array<Tensor, 2>, std::array<Tensor, 2>> two_microbatches(int64_t in, int64_t out,
+                                                                         int64_t tokens,
+                                                                         const Device& device,
+                                                                         uint64_t seed) {
+  std::array<Tensor, 2> x, dy;
+  for (int m = 0; m < 2; ++m) {
+    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
+    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
+  }
+  return {x, dy};
+}
+
 TEST_P(LinearFp8Test, ForwardAndBackwardTrackFp32) {
   const auto& [device, recipe] = GetParam();
   OCTET_SKIP_IF_UNAVAILABLE(device);
@@ -244,11 +258,7 @@ TEST_P(LinearFp8Test, GradientsAccumulateOverMicrobatches) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t in = 48, out = 32, tokens = 16;
-  Tensor x[2], dy[2];
-  for (int m = 0; m < 2; ++m) {
-    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
-    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
-  }
+  const auto [x, dy] = two_microbatches(in, out, tokens, device, seed);
   // Accumulated: both microbatches into one gradient.
   Linear accumulated(in, out, true, device, seed);
   AmaxRegistry registry_a;
@@ -320,11 +330,7 @@ TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t in = 192, out = 144, tokens = 80;  // partial 64-byte transpose tiles
-  Tensor x[2], dy[2];
-  for (int m = 0; m < 2; ++m) {
-    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
-    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
-  }
+  const auto [x, dy] = two_microbatches(in, out, tokens, device, seed);
   // Two equal layers take one step each: `adopted` lets AdamW write its next weight cast,
   // `recast` casts the updated master at its next forward, as before.
   Linear adopted(in, out, true, device, seed), recast(in, out, true, device, seed);
@@ -378,11 +384,7 @@ TEST_P(LinearFp8Test, ZeroGradOnNextWriteEqualsZeroingFirst) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   const int64_t in = 48, out = 32, tokens = 16;
-  Tensor x[2], dy[2];
-  for (int m = 0; m < 2; ++m) {
-    x[m] = testing::random_tensor({tokens, in}, DType::f32, seed + 1 + 2 * m).to(device);
-    dy[m] = testing::random_tensor({tokens, out}, DType::f32, seed + 2 + 2 * m).to(device);
-  }
+  const auto [x, dy] = two_microbatches(in, out, tokens, device, seed);
   // Two layers on the same sequence: a first step leaves gradients behind, then a step of two
   // microbatches starts from zero_grad(now) in one and zero_grad(on_next_write) in the other.
   Linear zeroed(in, out, true, device, seed), overwritten(in, out, true, device, seed);
