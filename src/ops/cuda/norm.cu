@@ -489,11 +489,17 @@ template <typename F>
 bool visit_warp_row_packs(int64_t packs, F&& f) {
   static_assert(kWarpRowMaxPacks == 8, "the cases below cover 1 to 8 packs per lane");
   const int64_t per_lane = ceil_div(packs, kWarpSize);
-  if (per_lane <= 1) return f(std::integral_constant<int, 1>{}), true;
-  if (per_lane <= 2) return f(std::integral_constant<int, 2>{}), true;
-  if (per_lane <= 4) return f(std::integral_constant<int, 4>{}), true;
-  if (per_lane <= 8) return f(std::integral_constant<int, 8>{}), true;
-  return false;
+  if (per_lane > kWarpRowMaxPacks) return false;
+  if (per_lane <= 1) {
+    f(std::integral_constant<int, 1>{});
+  } else if (per_lane <= 2) {
+    f(std::integral_constant<int, 2>{});
+  } else if (per_lane <= 4) {
+    f(std::integral_constant<int, 4>{});
+  } else {
+    f(std::integral_constant<int, 8>{});
+  }
+  return true;
 }
 
 /// The warp-row forward when the row fits (vectorized rows only); false otherwise. With the
