@@ -48,7 +48,7 @@ struct MatrixShape {
 };
 /// TE's awkward shapes (2333x1: a norm over one column), and a GPT-2 small activation.
 /// Awkward shapes for the general kernels; {64, 768}, {77, 264} and {160, 1600} are rows that fit
-/// a warp's registers (the CUDA warp-row kernels), with a partial 32-row tile for 77 rows.
+/// a warp's registers (the CUDA warp-row forward), with a partial 32-row tile for 77 rows.
 const std::vector<MatrixShape> kShapes = {{1, 3221}, {2333, 1}, {1481, 677},
                                           {64, 768}, {77, 264}, {160, 1600}};
 
