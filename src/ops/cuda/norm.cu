@@ -469,19 +469,6 @@ void allow_smem(Kernel kernel, size_t bytes) {
 /// The tensor's data, or nullptr when it is undefined.
 const void* ptr_or_null(const Tensor& t) { return t.defined() ? t.raw_data() : nullptr; }
 
-/// dgamma (and dbeta when kSums is 2) += the tile partials [tiles, kSums, cols], in tile order.
-void launch_column_sums(const Tensor& partials, int sums, const Tensor& dgamma, const Tensor& dbeta,
-                        cudaStream_t stream) {
-  const int64_t tiles = partials.size(0), cols = partials.size(2);
-  const int64_t column_blocks = ceil_div(sums * cols, kWarpSize);
-  OCTET_CHECK(column_blocks <= INT32_MAX, "norm backward: ", cols,
-              " columns exceed the grid limit");
-  column_sums_kernel<<<static_cast<unsigned>(column_blocks), dim3(kWarpSize, kColumnChunks), 0,
-                       stream>>>(partials.data<float>(), tiles, sums, cols, dgamma.data<float>(),
-                                 sums == 2 ? dbeta.data<float>() : nullptr);
-  OCTET_CHECK_LAUNCH();
-}
-
 /// Calls f(std::integral_constant<int, kPacks>{}) with the fewest packs per lane (1, 2, 4 or 8)
 /// that hold a row of `packs` 16-byte packs in one warp; returns false (calling nothing) when the
 /// row is longer than kWarpRowMaxPacks per lane.
@@ -603,7 +590,13 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, con
       partials.data<float>(), rows, cols, rows_per_tile, acc_in_smem);
   OCTET_CHECK_LAUNCH();
 
-  launch_column_sums(partials, kSums, dgamma, dbeta, stream);
+  const int64_t column_blocks = ceil_div(kSums * cols, kWarpSize);
+  OCTET_CHECK(column_blocks <= INT32_MAX, "norm backward: ", cols,
+              " columns exceed the grid limit");
+  column_sums_kernel<<<static_cast<unsigned>(column_blocks), dim3(kWarpSize, kColumnChunks), 0,
+                       stream>>>(partials.data<float>(), tiles, kSums, cols, dgamma.data<float>(),
+                                 kRms ? nullptr : dbeta.data<float>());
+  OCTET_CHECK_LAUNCH();
   // `partials` is freed stream-ordered (cudaFreeAsync on this stream), after the kernels.
 }
 

@@ -11,6 +11,7 @@
 
 #include "octet/core/cuda_context.h"
 #include "octet/fp8/scaling_math.h"
+#include "ops/cuda/fp8_kernels.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/optimizer_backend.h"
 #include "ops/quantize_backend.h"
@@ -142,8 +143,7 @@ struct Fp8Chunk {
   __device__ void put(int64_t i, float value) {
     if (codes == nullptr) return;
     codes[i] = __nv_cvt_float_to_fp8(value * scale, __NV_SATFINITE, format);
-    const uint32_t bits = __float_as_uint(value) & 0x7FFFFFFFu;  // |value|, NaN above inf
-    amax_bits = bits > amax_bits ? bits : amax_bits;
+    amax_bits = max(amax_bits, fp8::abs_bits(value));
   }
   __device__ void put4(int64_t i, const float4& p) {
     if (codes == nullptr) return;
@@ -214,18 +214,9 @@ __global__ void __launch_bounds__(kAdamWThreads)
     v[i] = vi;
     cast.put(i, p);
   }
-  if (cast.codes == nullptr) return;  // uniform over the CTA
-  __shared__ uint32_t warp_max[kAdamWThreads / kWarpSize];
-  uint32_t bits = cast.amax_bits;
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-    bits = max(bits, __shfl_xor_sync(0xFFFFFFFFu, bits, offset));
-  if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = bits;
-  __syncthreads();  // every code of the CTA is stored, and the warps' maxima are in
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kAdamWThreads / kWarpSize; ++w) bits = max(bits, warp_max[w]);
-    __threadfence();  // the codes before the amax (FIELD-NOTES.md section 1)
-    if (batch.fp8_amax[j] != nullptr) atomicMax(batch.fp8_amax[j], max(bits, warp_max[0]));
-  }
+  if (cast.codes == nullptr || batch.fp8_amax[j] == nullptr) return;  // uniform over the CTA
+  __shared__ uint32_t scratch[kAdamWThreads / kWarpSize];
+  quant::publish_amax<kAdamWThreads>(cast.amax_bits, batch.fp8_amax[j], scratch);
 }
 
 /// The transposed copy of an FP8 matrix: out [cols, rows] from in [rows, cols], one 64x64 tile
