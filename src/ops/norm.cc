@@ -52,10 +52,20 @@ void check_backward(const char* op, const Tensor& dy, const Tensor& x, const Ten
   if (dbeta != nullptr) check_f32(*dbeta, op, "dbeta", {x.cols()});
 }
 
-/// y, or (y undefined: only the fused FP8 output is wanted) a stream-ordered scratch like x that
-/// the backend may leave unwritten when its kernel writes every FP8 copy.
-Tensor output_or_scratch(const Tensor& y, const Tensor& x) {
-  return y.defined() ? y : Tensor::empty(x.shape(), x.dtype(), x.device());
+/// The norm forwards' shared run: y, or a stream-ordered scratch like x when only the fused FP8
+/// output is wanted (the CUDA kernel may then leave it unwritten); the fused plan; the backend;
+/// then whatever the plan's kernel cast left to do. cuda_run(out, cast) returns whether the kernel
+/// wrote the cast's transposed copy.
+template <typename CpuRun, typename CudaRun>
+void run_forward(const char* op, const Device& device, const Tensor& x, const Tensor& y,
+                 const FusedQuantize* fused, CpuRun cpu_run, CudaRun cuda_run) {
+  const Tensor out = y.defined() ? y : Tensor::empty(x.shape(), x.dtype(), x.device());
+  const FusedPlan plan(fused, out, device, op, /*y_wanted=*/y.defined());
+  bool transposed_written = false;
+  dispatch(
+      device, op, [&] { cpu_run(out); },
+      [&] { transposed_written = cuda_run(out, plan.kernel_cast()); });
+  plan.finish(out, transposed_written);
 }
 
 }  // namespace
@@ -92,7 +102,8 @@ FusedPlan::FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& 
                 " is on ", t->device(), ", expected ", device, " (the op's tensors' device)");
   }
   check_quantize_target(op, y.rows(), y.cols(), q, args, y);
-  // The kernel casts the row-wise per-tensor copy; everything else is quantize in finish().
+  // The kernel casts the per-tensor copies (the transposed one where it can, FusedCast); the rest
+  // is quantize in finish().
   if (!device.is_cuda() || q.mode != ScalingMode::per_tensor || !q.has_rowwise()) return;
 
   kernel_cast_.data = static_cast<uint8_t*>(q.data.raw_data());
@@ -139,16 +150,15 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
   check_f32(rstd, op, "rstd", {x.rows()});
   const Device device =
       common_device({&x, &gamma, &beta, y.defined() ? &y : nullptr, &mean, &rstd}, op);
-  const Tensor out = output_or_scratch(y, x);
-  const FusedPlan plan(fused, out, device, op, y.defined());
-  bool transposed_written = false;
-  dispatch(
-      device, op, [&] { cpu::layernorm_forward(x, gamma, beta, eps, out, mean, rstd); },
-      [&] {
-        OCTET_CUDA_ONLY(transposed_written = cuda::layernorm_forward(x, gamma, beta, eps, out, mean,
-                                                                     rstd, plan.kernel_cast()));
+  run_forward(
+      op, device, x, y, fused,
+      [&](const Tensor& out) { cpu::layernorm_forward(x, gamma, beta, eps, out, mean, rstd); },
+      [&](const Tensor& out, const FusedCast& cast) {
+        bool transposed = false;
+        OCTET_CUDA_ONLY(transposed =
+                            cuda::layernorm_forward(x, gamma, beta, eps, out, mean, rstd, cast));
+        return transposed;
       });
-  plan.finish(out, transposed_written);
 }
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
@@ -177,16 +187,14 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
   check_forward(op, x, gamma, nullptr, eps, y, fused);
   check_f32(rstd, op, "rstd", {x.rows()});
   const Device device = common_device({&x, &gamma, y.defined() ? &y : nullptr, &rstd}, op);
-  const Tensor out = output_or_scratch(y, x);
-  const FusedPlan plan(fused, out, device, op, y.defined());
-  bool transposed_written = false;
-  dispatch(
-      device, op, [&] { cpu::rmsnorm_forward(x, gamma, eps, out, rstd); },
-      [&] {
-        OCTET_CUDA_ONLY(transposed_written =
-                            cuda::rmsnorm_forward(x, gamma, eps, out, rstd, plan.kernel_cast()));
+  run_forward(
+      op, device, x, y, fused,
+      [&](const Tensor& out) { cpu::rmsnorm_forward(x, gamma, eps, out, rstd); },
+      [&](const Tensor& out, const FusedCast& cast) {
+        bool transposed = false;
+        OCTET_CUDA_ONLY(transposed = cuda::rmsnorm_forward(x, gamma, eps, out, rstd, cast));
+        return transposed;
       });
-  plan.finish(out, transposed_written);
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,

@@ -60,12 +60,12 @@ class FusedPlan {
   /// `device`; throws naming `op` on a shape, dtype or device mismatch. y_wanted: whether the
   /// caller reads y (false: y is the op's scratch, see FusedCast::y_wanted).
   FusedPlan(const FusedQuantize* fused, const Tensor& y, const Device& device, const char* op,
-            bool y_wanted = true);
+            bool y_wanted);
   /// The cast for the CUDA kernel; disabled unless it fuses anything.
   const FusedCast& kernel_cast() const { return kernel_cast_; }
   /// After the op: quantizes `y` for whatever the kernel did not write. transposed_written: the
   /// backend wrote kernel_cast().data_t (and published the amax).
-  void finish(const Tensor& y, bool transposed_written = false) const;
+  void finish(const Tensor& y, bool transposed_written) const;
 
  private:
   const FusedQuantize* fused_ = nullptr;
