@@ -77,6 +77,7 @@ struct Entry {
   Tensor grad;
   bool weight_decay;
   Init init;
+  nn::Linear* weight_of = nullptr;  ///< the Linear whose weight `value` is, if any
 };
 
 constexpr const char* kSlotNames[nn::kBlockLinears] = {"attn.qkv", "attn.proj", "mlp.fc1",
@@ -287,7 +288,7 @@ std::vector<Entry> GPT::Impl::entries() {
       out.push_back({prefix + ".beta", norm.beta(), norm.grad_beta(), false, Init::zeros});
   };
   auto add_linear = [&](const std::string& prefix, nn::Linear& linear, Init init) {
-    out.push_back({prefix + ".weight", linear.weight(), linear.grad_weight(), true, init});
+    out.push_back({prefix + ".weight", linear.weight(), linear.grad_weight(), true, init, &linear});
     if (linear.bias().defined())
       out.push_back({prefix + ".bias", linear.bias(), linear.grad_bias(), false, Init::zeros});
   };
@@ -520,15 +521,10 @@ void GPT::settle_grads() {
   for (nn::TransformerBlock& b : impl_->blocks) b.settle_grads();
 }
 
-std::vector<std::pair<Tensor, const ops::FusedQuantize*>> GPT::next_weight_casts() {
-  std::vector<std::pair<Tensor, const ops::FusedQuantize*>> casts;
-  for (nn::TransformerBlock& b : impl_->blocks) {
-    for (int s = 0; s < nn::kBlockLinears; ++s) {
-      nn::Linear& linear = b.linear(static_cast<LinearSlot>(s));
-      if (const ops::FusedQuantize* cast = linear.next_weight_cast())
-        casts.emplace_back(linear.weight(), cast);
-    }
-  }
+std::vector<const ops::FusedQuantize*> GPT::next_weight_casts() {
+  std::vector<const ops::FusedQuantize*> casts;
+  for (Entry& e : impl_->entries())
+    casts.push_back(e.weight_of != nullptr ? e.weight_of->next_weight_cast() : nullptr);
   return casts;
 }
 

@@ -11,7 +11,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
-#include <unordered_map>
 
 #include "octet/core/allocator.h"
 #include "octet/core/determinism.h"
@@ -322,12 +321,11 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
     }
   }
   // The FP8 weight casts of the next step are written with the update (AdamWTensor::cast).
-  std::unordered_map<const void*, const ops::FusedQuantize*> casts;
-  for (const auto& [weight, cast] : s.model->next_weight_casts()) casts[weight.raw_data()] = cast;
-  for (ops::AdamWTensor& t : s.adamw) {
-    const auto it = casts.find(t.param.raw_data());
-    t.cast = it != casts.end() ? it->second : nullptr;
-  }
+  // The table follows parameters()' order, as next_weight_casts() does.
+  const std::vector<const ops::FusedQuantize*> casts = s.model->next_weight_casts();
+  OCTET_CHECK(casts.size() == s.adamw.size(), "train_step: ", casts.size(),
+              " weight-cast slots for ", s.adamw.size(), " parameters");
+  for (size_t i = 0; i < s.adamw.size(); ++i) s.adamw[i].cast = casts[i];
   ops::AdamWArgs args;
   args.lr = static_cast<float>(r.lr);
   args.beta1 = kBeta1;

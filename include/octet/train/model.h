@@ -6,7 +6,6 @@
 #include <memory>
 #include <string>
 #include <string_view>
-#include <utility>
 #include <vector>
 
 #include "octet/core/tensor.h"
@@ -106,9 +105,10 @@ class GPT {
   /// Zeroes the Linear weight gradients that zero_grad(on_next_write) left for a backward that
   /// did not come; free when every Linear ran its backward. Call before reading gradients.
   void settle_grads();
-  /// The blocks' Linear::next_weight_cast() targets, as (weight, cast) pairs, for the optimizer
-  /// to write with its update (ops::AdamWTensor::cast); call after the step's last backward.
-  std::vector<std::pair<Tensor, const ops::FusedQuantize*>> next_weight_casts();
+  /// For each of parameters(), in its order, the Linear::next_weight_cast() of a Linear weight
+  /// (nullptr for everything else), for the optimizer to write with its update
+  /// (ops::AdamWTensor::cast); call after the step's last backward.
+  std::vector<const ops::FusedQuantize*> next_weight_casts();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
   /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_weight_casts().
   void on_weights_updated(nn::PreparedCast prepared = nn::PreparedCast::dropped);
