@@ -840,26 +840,22 @@ __global__ void __launch_bounds__(kSimpleThreads)
 
 /// The delta kernel's fast form, for bf16 with head_dim a multiple of 8 up to 256 and 16-byte
 /// aligned rows: each thread reads 8 elements of dout and of out (one 16-byte load each), so
-/// kLanes = head_dim / 8 consecutive lanes hold one (token, head). A lane sums its 8 products in
-/// order, then a butterfly over the kLanes lanes adds the lanes' sums (a fixed order). The
+/// lanes = head_dim / 8 consecutive lanes (a power of two) hold one (token, head). A lane sums its
+/// 8 products in order, then a butterfly over those lanes adds the lanes' sums (a fixed order). The
 /// warp-per-(token, head) form above issues 2-byte loads with 2 elements per lane at head_dim
 /// 64, which measured 48 us per GPT-2 1.5B layer (dram 25% of peak) for 52 MB.
-template <int kLanes>
 __global__ void __launch_bounds__(kElementwiseThreads)
     attention_delta_bf16_kernel(const uint16_t* __restrict__ dout, const uint16_t* __restrict__ out,
-                                float* __restrict__ delta, int64_t rows, int T, int H) {
-  static_assert(kLanes >= 1 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0,
-                "a (token, head) is a power-of-two group of lanes inside one warp");
+                                float* __restrict__ delta, int64_t rows, int T, int H, int lanes) {
   constexpr int kElems = 8;  // bf16 per 16-byte load
-  constexpr int kD = kLanes * kElems;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t w = thread / kLanes;  // (token, head), token-major like the tensors
-  if (w >= rows) return;              // whole groups leave together (rows * kLanes threads)
-  const int sub = static_cast<int>(thread % kLanes);
+  const int64_t w = thread / lanes;  // (token, head), token-major like the tensors
+  if (w >= rows) return;             // whole groups leave together (rows * lanes threads)
+  const int sub = static_cast<int>(thread % lanes);
   const int lane = static_cast<int>(threadIdx.x % kWarpSize);
-  const unsigned group_mask = (kLanes == kWarpSize ? kFullMask : ((1u << kLanes) - 1u))
-                              << (lane & ~(kLanes - 1));
-  const int64_t offset = w * kD + sub * kElems;  // [token, h, d] with d contiguous
+  const unsigned group_mask = (lanes == kWarpSize ? kFullMask : ((1u << lanes) - 1u))
+                              << (lane & ~(lanes - 1));
+  const int64_t offset = (w * lanes + sub) * kElems;  // [token, h, d] with d contiguous
   const uint4 g = *reinterpret_cast<const uint4*>(dout + offset);
   const uint4 o = *reinterpret_cast<const uint4*>(out + offset);
   const uint32_t gw[4] = {g.x, g.y, g.z, g.w}, ow[4] = {o.x, o.y, o.z, o.w};
@@ -869,8 +865,7 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     sum += __uint_as_float(gw[k] << 16) * __uint_as_float(ow[k] << 16);
     sum += __uint_as_float(gw[k] & 0xFFFF0000u) * __uint_as_float(ow[k] & 0xFFFF0000u);
   }
-#pragma unroll
-  for (int step = kLanes / 2; step > 0; step /= 2) sum += __shfl_xor_sync(group_mask, sum, step);
+  for (int step = lanes / 2; step > 0; step /= 2) sum += __shfl_xor_sync(group_mask, sum, step);
   if (sub == 0) {
     const int64_t token = w / H;
     const int h = static_cast<int>(w % H);
@@ -1194,41 +1189,18 @@ Tensor row_delta(const Tensor& dout, const Tensor& out, const AttentionShape& s,
                  cudaStream_t stream) {
   // Freed stream-ordered after the kernels that read it.
   Tensor delta = Tensor::empty({s.batch, s.heads, s.seq}, DType::f32, out.device());
-  const bool packed = s.head_dim % 8 == 0 && s.head_dim <= 8 * kWarpSize &&
+  // head_dim / 8 lanes per (token, head): a power of two, so a group never straddles a warp.
+  const int64_t lanes = s.head_dim / 8;
+  const bool packed = s.head_dim % 8 == 0 && lanes <= kWarpSize && (lanes & (lanes - 1)) == 0 &&
                       reinterpret_cast<uintptr_t>(dout.raw_data()) % kFastAlignment == 0 &&
                       reinterpret_cast<uintptr_t>(out.raw_data()) % kFastAlignment == 0;
   if (out.dtype() == DType::bf16 && packed) {
     const int64_t rows = s.batch * s.seq * s.heads;
-    const int lanes = static_cast<int>(s.head_dim / 8);
-    const auto launch = [&](auto kernel) {
-      kernel<<<grid_for(rows * lanes, kElementwiseThreads), kElementwiseThreads, 0, stream>>>(
-          static_cast<const uint16_t*>(dout.raw_data()),
-          static_cast<const uint16_t*>(out.raw_data()), delta.data<float>(), rows,
-          static_cast<int>(s.seq), static_cast<int>(s.heads));
-    };
-    switch (lanes) {  // head_dim / 8: the power-of-two group sizes; others take the warp form
-      case 1:
-        launch(attention_delta_bf16_kernel<1>);
-        break;
-      case 2:
-        launch(attention_delta_bf16_kernel<2>);
-        break;
-      case 4:
-        launch(attention_delta_bf16_kernel<4>);
-        break;
-      case 8:
-        launch(attention_delta_bf16_kernel<8>);
-        break;
-      case 16:
-        launch(attention_delta_bf16_kernel<16>);
-        break;
-      case 32:
-        launch(attention_delta_bf16_kernel<32>);
-        break;
-      default:
-        compute_delta<uint16_t>(dout, out, delta, s, stream);
-        return delta;
-    }
+    attention_delta_bf16_kernel<<<grid_for(rows * lanes, kElementwiseThreads), kElementwiseThreads,
+                                  0, stream>>>(static_cast<const uint16_t*>(dout.raw_data()),
+                                               static_cast<const uint16_t*>(out.raw_data()),
+                                               delta.data<float>(), rows, static_cast<int>(s.seq),
+                                               static_cast<int>(s.heads), static_cast<int>(lanes));
     OCTET_CHECK_LAUNCH();
   } else if (out.dtype() == DType::bf16) {
     compute_delta<uint16_t>(dout, out, delta, s, stream);
