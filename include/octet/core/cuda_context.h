@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
 
 #include "octet/core/device.h"
@@ -18,16 +20,34 @@ const cudaDeviceProp& properties(const Device& device);
 /// Waits for all of octet's work on `device`.
 void synchronize(const Device& device);
 
+/// One bit per device, for per-device setup done once (a kernel's opt-in to more than 48 KiB of
+/// dynamic shared memory: cudaFuncSetAttribute applies to the current device). A launch site keeps
+/// a static one; two threads racing on it only repeat the same setup. Devices past index 63 are
+/// never marked, so their setup simply runs every time.
+class PerDeviceFlag {
+ public:
+  bool test(const Device& device) const {
+    return bit(device) != 0 && (bits_.load(std::memory_order_relaxed) & bit(device)) != 0;
+  }
+  void set(const Device& device) { bits_.fetch_or(bit(device), std::memory_order_relaxed); }
+
+ private:
+  static uint64_t bit(const Device& device) {
+    return device.index >= 0 && device.index < 64 ? uint64_t{1} << device.index : 0;
+  }
+  std::atomic<uint64_t> bits_{0};
+};
+
 }  // namespace octet::cuda
 
 /// Throws octet::Error naming the CUDA error and the failed call.
-#define OCTET_CHECK_CUDA(call)                                                            \
-  do {                                                                                    \
-    cudaError_t octet_status_ = (call);                                                   \
-    if (octet_status_ != cudaSuccess) {                                                   \
-      OCTET_ERROR("CUDA error ", cudaGetErrorName(octet_status_), " (",                   \
-                  cudaGetErrorString(octet_status_), ") in ", #call);                     \
-    }                                                                                     \
+#define OCTET_CHECK_CUDA(call)                                          \
+  do {                                                                  \
+    cudaError_t octet_status_ = (call);                                 \
+    if (octet_status_ != cudaSuccess) {                                 \
+      OCTET_ERROR("CUDA error ", cudaGetErrorName(octet_status_), " (", \
+                  cudaGetErrorString(octet_status_), ") in ", #call);   \
+    }                                                                   \
   } while (false)
 
 /// After every kernel launch: surfaces launch-configuration errors at the launch site.

@@ -27,7 +27,6 @@
 // tables is touched.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 
@@ -190,6 +189,20 @@ __device__ __forceinline__ bool cross_entropy_bad_target(int32_t target, int64_t
 
 /// One CTA per row: losses[r] = (m + logf(s)) - l[target], dlogits[r, j] = (expf(l_j - m) / s -
 /// [j == target]) * grad_scale, with m the max and s the sum of expf(l_j - m) in the fixed order.
+/// The max m of the row `l` (global or shared memory) and s = the sum of expf(l_j - m), each in
+/// fixed_order_reduce.h's order; thread 0 writes the row's loss (m + logf(s)) - l[target]. Every
+/// thread of the CTA calls it and gets {m, s}.
+template <typename T>
+__device__ __forceinline__ float2 softmax_stats(const T* l, int64_t vocab, int32_t target,
+                                                float* loss, float* shared) {
+  const float m = fixed_order_reduce_block<kCrossEntropyLanes, float>(
+      vocab, MaxOp{}, [l](int64_t j) { return load_float(l, j); }, shared);
+  const float s = fixed_order_reduce_block<kCrossEntropyLanes, float>(
+      vocab, SumOp{}, [l, m](int64_t j) { return expf(load_float(l, j) - m); }, shared);
+  if (threadIdx.x == 0) *loss = (m + logf(s)) - load_float(l, target);
+  return make_float2(m, s);
+}
+
 /// Reads the row from global memory in each pass: for rows too long for shared memory.
 template <typename T>
 __global__ void __launch_bounds__(kCrossEntropyLanes)
@@ -203,11 +216,7 @@ __global__ void __launch_bounds__(kCrossEntropyLanes)
   T* d = dlogits != nullptr ? dlogits + r * vocab : nullptr;
   const int32_t target = targets[r];
   if (cross_entropy_bad_target(target, r, losses, d, rows, vocab, bad_row_flag)) return;
-  const float m = fixed_order_reduce_block<kCrossEntropyLanes, float>(
-      vocab, MaxOp{}, [l](int64_t j) { return load_float(l, j); }, shared);
-  const float s = fixed_order_reduce_block<kCrossEntropyLanes, float>(
-      vocab, SumOp{}, [l, m](int64_t j) { return expf(load_float(l, j) - m); }, shared);
-  if (threadIdx.x == 0) losses[r] = (m + logf(s)) - load_float(l, target);
+  const auto [m, s] = softmax_stats(l, vocab, target, losses + r, shared);
   if (d == nullptr) return;
   __syncthreads();  // logits[target] is read before any gradient is stored over it
   for (int64_t j = threadIdx.x; j < vocab; j += kCrossEntropyLanes) {
@@ -277,11 +286,7 @@ __global__ void __launch_bounds__(kCrossEntropyLanes, kStagedCtasPerSm)
   __syncthreads();
   // Lane t reads elements t, t + kCrossEntropyLanes, ...: consecutive threads, consecutive
   // elements (no bank conflicts).
-  const float m = fixed_order_reduce_block<kCrossEntropyLanes, float>(
-      vocab, MaxOp{}, [row](int64_t j) { return load_float(row, j); }, shared);
-  const float s = fixed_order_reduce_block<kCrossEntropyLanes, float>(
-      vocab, SumOp{}, [row, m](int64_t j) { return expf(load_float(row, j) - m); }, shared);
-  if (threadIdx.x == 0) losses[r] = (m + logf(s)) - load_float(row, target);
+  const auto [m, s] = softmax_stats(row, vocab, target, losses + r, shared);
   if (d == nullptr) return;
   if constexpr (kVec) {
     const auto* src = reinterpret_cast<const RowPack<T>*>(row);
@@ -406,8 +411,7 @@ void launch_embedding_grads(const T* dout, const Tensor& ids, int64_t seq, const
 bool pack_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kPackBytes == 0; }
 
 /// Launches cross_entropy_staged_kernel<T, kVec> with `smem` bytes of dynamic shared memory, after
-/// opting the kernel in to `budget` bytes once per device (the attribute is per device; a race
-/// between two threads only sets the same value twice).
+/// opting the kernel in to `budget` bytes once per device.
 template <typename T, bool kVec>
 void launch_cross_entropy_staged(const T* logits, const int32_t* targets, float* losses, T* dlogits,
                                  int64_t rows, int64_t vocab, float grad_scale, int* bad_row_flag,
@@ -415,16 +419,15 @@ void launch_cross_entropy_staged(const T* logits, const int32_t* targets, float*
                                  cudaStream_t stream) {
   const auto kernel = cross_entropy_staged_kernel<T, kVec>;
   if (smem > kDefaultDynamicSmemBytes) {
-    static std::atomic<uint64_t> opted_in{0};
-    const uint64_t bit = device.index < 64 ? uint64_t{1} << device.index : 0;
-    if (bit == 0 || (opted_in.load(std::memory_order_relaxed) & bit) == 0) {
+    static octet::cuda::PerDeviceFlag opted_in;
+    if (!opted_in.test(device)) {
       OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(budget)));
       // A hint: all of L1 as shared memory (the kernel reuses nothing through L1), so that the
       // carveout never limits the CTAs per SM.
       OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                             cudaSharedmemCarveoutMaxShared));
-      opted_in.fetch_or(bit, std::memory_order_relaxed);
+      opted_in.set(device);
     }
   }
   kernel<<<static_cast<unsigned>(rows), kCrossEntropyLanes, smem, stream>>>(

@@ -15,7 +15,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <type_traits>
@@ -412,14 +411,12 @@ void launch_quantize_tile(const TileParams& p, const Source& source, const Devic
   constexpr int kSmemBytes = TileLayout<T>::kBytes;
   const auto kernel = quantize_tile_kernel<T, kMode, kFp8, Source>;
   if constexpr (kSmemBytes > kDefaultDynamicSmemBytes) {
-    // f32 tiles (64 KiB) need the opt-in, once per device (the attribute is per device); a
-    // race between two threads only sets the same value twice.
-    static std::atomic<uint64_t> opted_in{0};
-    const uint64_t bit = device.index < 64 ? uint64_t{1} << device.index : 0;
-    if (bit == 0 || (opted_in.load(std::memory_order_relaxed) & bit) == 0) {
+    // f32 tiles (64 KiB) need the opt-in, once per device.
+    static octet::cuda::PerDeviceFlag opted_in;
+    if (!opted_in.test(device)) {
       OCTET_CHECK_CUDA(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      opted_in.fetch_or(bit, std::memory_order_relaxed);
+      opted_in.set(device);
     }
   }
   const int64_t tiles = p.tile_rows * p.tile_cols;
