@@ -19,9 +19,4 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
 namespace octet::ops::cuda {
 void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args,
           const GemmShape& shape);
-/// How many GEMMs with an addend ran it as a separate pass because cuBLASLt declined C != D (its
-/// heuristic found no such algorithm, or cublasLtMatmul refused one). FP32 operands with a BF16 D
-/// always add it separately (cuBLASLt's FP32 GEMM writes FP32) and are not counted. The other
-/// counters of the algorithm cache are in ops/cuda/cublaslt.h.
-uint64_t gemm_unfused_addends();
 }  // namespace octet::ops::cuda

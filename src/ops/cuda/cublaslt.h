@@ -44,5 +44,9 @@ size_t gemm_cache_size();
 uint64_t gemm_heuristic_queries();
 /// How many MXFP8 GEMMs ran emulated (dequantize to BF16, then a BF16 GEMM).
 uint64_t gemm_mxfp8_emulations();
+/// How many GEMMs with an addend ran it as a separate pass because cuBLASLt declined C != D (its
+/// heuristic found no such algorithm, or cublasLtMatmul refused one). FP32 operands with a BF16 D
+/// always add it separately (cuBLASLt's FP32 GEMM writes FP32) and are not counted.
+uint64_t gemm_unfused_addends();
 
 }  // namespace octet::ops::cuda
