@@ -509,7 +509,6 @@ bool launch_forward_warp_row(const Tensor& x, const Tensor& gamma, const Tensor&
     if (!with_transposed && ceil_div(rows, kWarpRowWarps) > INT32_MAX) return false;
     const FusedCast kernel_cast = with_transposed ? cast : cast.rowwise_only();
     const auto launch = [&](auto kernel, int64_t tile_rows, size_t smem) {
-      allow_smem(kernel, smem);
       kernel<<<static_cast<unsigned>(ceil_div(rows, tile_rows)), dim3(kWarpSize, kWarpRowWarps),
                smem, octet::cuda::stream(device)>>>(
           static_cast<const T*>(x.raw_data()), gamma.data<float>(),
@@ -520,8 +519,15 @@ bool launch_forward_warp_row(const Tensor& x, const Tensor& gamma, const Tensor&
     const bool fits = visit_warp_row_packs(cols / kN, [&](auto packs) {
       constexpr int kPacks = decltype(packs)::value;
       if (with_transposed) {
-        launch(norm_forward_warp_row_kernel<T, kN, kPacks, kRms, true>, kTransposeTileRows,
-               stage_bytes);
+        const auto kernel = norm_forward_warp_row_kernel<T, kN, kPacks, kRms, true>;
+        // The staging tile's size follows cols: opt in to the whole budget, once per device, so
+        // a forward costs no cudaFuncSetAttribute.
+        static octet::cuda::PerDeviceFlag opted_in;
+        if (!opted_in.test(device)) {
+          allow_smem(kernel, smem_budget(device));
+          opted_in.set(device);
+        }
+        launch(kernel, kTransposeTileRows, stage_bytes);
       } else {
         launch(norm_forward_warp_row_kernel<T, kN, kPacks, kRms, false>, kWarpRowWarps, 0);
       }
