@@ -48,11 +48,12 @@ void current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
 
 /// Quantizes the [rows, cols] matrix x for `role`, row-wise and, unless `rowwise_only`, transposed
 /// (a training operand is used both ways; an inference input only row-wise). `scale`: per-tensor
-/// recipes only; `amax_slot`: optional; `column_sums`: optional, += x's column sums (bias
+/// recipes only; `amax_slot`: optional; `column_sums`: optional, (+)= x's column sums (bias
 /// gradients ride on grad_output's cast).
 fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
                                   const Tensor& scale, const Tensor& amax_slot,
-                                  bool rowwise_only = false, const Tensor& column_sums = {}) {
+                                  bool rowwise_only = false, const Tensor& column_sums = {},
+                                  bool accumulate_column_sums = true) {
   fp8::QuantizedTensor q = fp8::QuantizedTensor::allocate(
       x.rows(), x.cols(), recipe.dtype_for(role), recipe.mode_for(role),
       fp8::Usage{.rowwise = true, .columnwise = !rowwise_only}, x.device());
@@ -61,6 +62,7 @@ fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, Te
   args.amax = amax_slot;
   args.power_of_2_block_scales = recipe.power_of_2_scales;  // read by block scaling only
   args.column_sums = column_sums;
+  args.accumulate_column_sums = accumulate_column_sums;
   ops::quantize(x, q, args);
   return q;
 }
@@ -106,15 +108,24 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const Devic
 }
 
 void Linear::zero_grad(ZeroGrad how) {
-  grad_weight_unwritten_ = how == ZeroGrad::on_next_write;
-  if (!grad_weight_unwritten_) grad_weight_.zero();
+  const bool on_write = how == ZeroGrad::on_next_write;
+  grad_weight_unwritten_ = on_write;
+  grad_bias_unwritten_ = on_write && grad_bias_.defined();
+  if (on_write) return;
+  grad_weight_.zero();
   if (grad_bias_.defined()) grad_bias_.zero();
 }
 
 void Linear::settle_grad() {
-  if (!grad_weight_unwritten_) return;
-  grad_weight_.zero();
-  grad_weight_unwritten_ = false;
+  if (grad_weight_unwritten_) grad_weight_.zero();
+  if (grad_bias_unwritten_) grad_bias_.zero();
+  grad_weight_unwritten_ = grad_bias_unwritten_ = false;
+}
+
+bool Linear::bias_grad_accumulates() {
+  const bool accumulates = !grad_bias_unwritten_;
+  grad_bias_unwritten_ = false;
+  return accumulates;
 }
 
 ops::GemmArgs Linear::wgrad_args() {
@@ -389,7 +400,8 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
   }
   const fp8::QuantizedTensor dy_q =
       quantize_for(dy, recipe, TensorRole::grad_output, scale,
-                   state_->amax_slot(TensorRole::grad_output), /*rowwise_only=*/false, grad_bias_);
+                   state_->amax_slot(TensorRole::grad_output), /*rowwise_only=*/false, grad_bias_,
+                   bias_grad_accumulates());
   state_->mark_recorded(Pass::backward);
   backward_gemms_fp8(dy_q, dx, saved);
 }
@@ -409,6 +421,7 @@ std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const 
   fused.args.scale = state_->scale(TensorRole::grad_output);
   fused.args.amax = state_->amax_slot(TensorRole::grad_output);
   fused.args.column_sums = grad_bias_;
+  fused.args.accumulate_column_sums = bias_grad_accumulates();
   state_->mark_recorded(Pass::backward);
   return fused;
 }
@@ -444,7 +457,7 @@ void Linear::backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& 
 }
 
 void Linear::backward_dense(const Tensor& dy, const Tensor& dx, const Saved& saved) {
-  if (grad_bias_.defined()) ops::sum_rows(dy, grad_bias_, /*accumulate=*/true);
+  if (grad_bias_.defined()) ops::sum_rows(dy, grad_bias_, bias_grad_accumulates());
   const Tensor dy_c = in_dtype(dy, saved.input.dtype());
   // dx [rows, in] = dy [rows, out] W [out, in].
   ops::gemm(ops::GemmOperand::dense(dy_c), ops::GemmOperand::dense(saved.snapshot.weight->dense),

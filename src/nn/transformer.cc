@@ -73,18 +73,27 @@ Tensor Norm::backward(const Tensor& dy, const Saved& saved, const Tensor& residu
   Tensor dx = empty_like(dy);
   const Tensor dx2 = dx.view({-1, dim_});
   const Tensor residual2 = residual.defined() ? residual.view({-1, dim_}) : Tensor();
+  const bool accumulate = !grads_unwritten_;
+  grads_unwritten_ = false;
   if (kind_ == NormKind::layernorm) {
     ops::layernorm_backward(dy2, saved.input, gamma_, saved.mean, saved.rstd, dx2, grad_gamma_,
-                            grad_beta_, residual2);
+                            grad_beta_, residual2, accumulate);
   } else {
-    ops::rmsnorm_backward(dy2, saved.input, gamma_, saved.rstd, dx2, grad_gamma_, residual2);
+    ops::rmsnorm_backward(dy2, saved.input, gamma_, saved.rstd, dx2, grad_gamma_, residual2,
+                          accumulate);
   }
   return dx;
 }
 
-void Norm::zero_grad() {
+void Norm::zero_grad(ZeroGrad how) {
+  grads_unwritten_ = how == ZeroGrad::on_next_write;
+  if (grads_unwritten_) return;
   grad_gamma_.zero();
   if (grad_beta_.defined()) grad_beta_.zero();
+}
+
+void Norm::settle_grad() {
+  if (grads_unwritten_) zero_grad(ZeroGrad::now);
 }
 
 // ----------------------------------------------------------------------------
@@ -283,12 +292,14 @@ Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
 }
 
 void TransformerBlock::zero_grad(ZeroGrad how) {
-  norm1_.zero_grad();
-  norm2_.zero_grad();
+  norm1_.zero_grad(how);
+  norm2_.zero_grad(how);
   for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).zero_grad(how);
 }
 
 void TransformerBlock::settle_grads() {
+  norm1_.settle_grad();
+  norm2_.settle_grad();
   for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).settle_grad();
 }
 

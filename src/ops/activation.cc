@@ -42,7 +42,7 @@ void run_activation(const char* op, const Device& device, const Tensor& out, con
     if (fused->args.column_sums.defined() && !sums_done) {
       const Tensor y = output();
       if (!out.defined()) compute(y);
-      sum_rows(y, fused->args.column_sums, /*accumulate=*/true);
+      sum_rows(y, fused->args.column_sums, fused->args.accumulate_column_sums);
     }
     return;
   }

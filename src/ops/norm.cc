@@ -134,7 +134,7 @@ void FusedPlan::finish(const Tensor& y, bool transposed_written) const {
     columnwise.scale_inv = Tensor();
     quantize(y, columnwise, fused_->args);
   } else if (fused_->args.column_sums.defined()) {
-    sum_rows(y, fused_->args.column_sums, /*accumulate=*/true);
+    sum_rows(y, fused_->args.column_sums, fused_->args.accumulate_column_sums);
   }
 }
 
@@ -163,7 +163,7 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta, const Tensor& residual) {
+                        const Tensor& dbeta, const Tensor& residual, bool accumulate_params) {
   constexpr const char* op = "layernorm_backward";
   check_backward(op, dy, x, gamma, dx, dgamma, &dbeta);
   check_f32(mean, op, "mean", {x.rows()});
@@ -174,10 +174,13 @@ void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, 
                                       op);
   dispatch(
       device, op,
-      [&] { cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual); },
       [&] {
-        OCTET_CUDA_ONLY(
-            cuda::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual));
+        cpu::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual,
+                                accumulate_params);
+      },
+      [&] {
+        OCTET_CUDA_ONLY(cuda::layernorm_backward(dy, x, gamma, mean, rstd, dx, dgamma, dbeta,
+                                                 residual, accumulate_params));
       });
 }
 
@@ -198,7 +201,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual,
+                      bool accumulate_params) {
   constexpr const char* op = "rmsnorm_backward";
   check_backward(op, dy, x, gamma, dx, dgamma, nullptr);
   check_f32(rstd, op, "rstd", {x.rows()});
@@ -206,8 +210,12 @@ void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, co
   const Device device = common_device(
       {&dy, &x, &gamma, &rstd, &dx, &dgamma, residual.defined() ? &residual : nullptr}, op);
   dispatch(
-      device, op, [&] { cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, residual); },
-      [&] { OCTET_CUDA_ONLY(cuda::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, residual)); });
+      device, op,
+      [&] { cpu::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, residual, accumulate_params); },
+      [&] {
+        OCTET_CUDA_ONLY(
+            cuda::rmsnorm_backward(dy, x, gamma, rstd, dx, dgamma, residual, accumulate_params));
+      });
 }
 
 }  // namespace octet::ops

@@ -79,11 +79,12 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const Tensor& y, const Tensor& mean, const Tensor& rstd);
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta, const Tensor& residual);
+                        const Tensor& dbeta, const Tensor& residual, bool accumulate_params);
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual);
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual,
+                      bool accumulate_params);
 }  // namespace octet::ops::cpu
 
 namespace octet::ops::cuda {
@@ -93,9 +94,10 @@ bool layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
                        const FusedCast& cast);
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta, const Tensor& residual);
+                        const Tensor& dbeta, const Tensor& residual, bool accumulate_params);
 bool rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedCast& cast);
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual);
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual,
+                      bool accumulate_params);
 }  // namespace octet::ops::cuda

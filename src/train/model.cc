@@ -512,13 +512,14 @@ std::vector<Fp8InputStats> GPT::fp8_input_stats() const { return impl_->stats; }
 void GPT::zero_grad(nn::ZeroGrad how) {
   Impl& m = *impl_;
   for (nn::TransformerBlock& b : m.blocks) b.zero_grad(how);
-  m.final_norm.zero_grad();
+  m.final_norm.zero_grad(how);
   for (Tensor* g : {&m.grad_wte, &m.grad_wpe, &m.grad_lm_head})
     if (g->defined()) g->zero();
 }
 
 void GPT::settle_grads() {
   for (nn::TransformerBlock& b : impl_->blocks) b.settle_grads();
+  impl_->final_norm.settle_grad();
 }
 
 std::vector<const ops::FusedQuantize*> GPT::next_weight_casts() {

@@ -140,11 +140,13 @@ Backward alloc_backward(Norm norm, const Tensor& x, const Tensor& grad_init) {
 }
 
 void run_backward(Norm norm, const Tensor& dy, const Tensor& x, const Tensor& gamma,
-                  const Forward& f, const Backward& b, const Tensor& residual = Tensor()) {
+                  const Forward& f, const Backward& b, const Tensor& residual = Tensor(),
+                  bool accumulate = true) {
   if (norm == Norm::layer) {
-    ops::layernorm_backward(dy, x, gamma, f.mean, f.rstd, b.dx, b.dgamma, b.dbeta, residual);
+    ops::layernorm_backward(dy, x, gamma, f.mean, f.rstd, b.dx, b.dgamma, b.dbeta, residual,
+                            accumulate);
   } else {
-    ops::rmsnorm_backward(dy, x, gamma, f.rstd, b.dx, b.dgamma, residual);
+    ops::rmsnorm_backward(dy, x, gamma, f.rstd, b.dx, b.dgamma, residual, accumulate);
   }
 }
 
@@ -278,6 +280,26 @@ TEST_P(NormParity, GradientsAccumulateAcrossCalls) {
     for (int64_t c = 0; c < cols; ++c) twice[c] = dbeta_once[c] + dbeta_once[c];
     EXPECT_TRUE(bitwise_equal(Tensor::from_vector(twice, {cols}), b.dbeta)) << "dbeta";
   }
+}
+
+/// Without accumulation (a step's first write, ZeroGrad::on_next_write) the gradients come out
+/// bitwise as from zeroed ones, whatever they held.
+TEST_P(NormParity, OverwritingEqualsAccumulatingIntoZeros) {
+  const NormCase& p = GetParam();
+  const int64_t rows = p.shape.rows, cols = p.shape.cols;
+  const Inputs in = make_inputs(rows, cols, p.dtype, seed);
+  const Tensor x = on(in.x, p.backend), gamma = on(in.gamma, p.backend);
+  const Tensor dy = on(in.dy, p.backend);
+  const Forward f = alloc_forward(p.norm, x);
+  run_forward(p.norm, x, gamma, on(in.beta, p.backend), f);
+  const Backward zeroed = alloc_backward(p.norm, x, Tensor::zeros({cols}, DType::f32, p.backend));
+  run_backward(p.norm, dy, x, gamma, f, zeroed);
+  const Tensor stale = on(testing::random_tensor({cols}, DType::f32, seed + 1, 1.0f), p.backend);
+  const Backward overwritten = alloc_backward(p.norm, x, stale);
+  run_backward(p.norm, dy, x, gamma, f, overwritten, Tensor(), /*accumulate=*/false);
+  EXPECT_TRUE(bitwise_equal(zeroed.dx, overwritten.dx)) << "dx";
+  EXPECT_TRUE(bitwise_equal(zeroed.dgamma, overwritten.dgamma)) << "dgamma";
+  if (p.norm == Norm::layer) EXPECT_TRUE(bitwise_equal(zeroed.dbeta, overwritten.dbeta)) << "dbeta";
 }
 
 TEST_P(NormParity, ResidualIsAddedAsASeparateAddWould) {

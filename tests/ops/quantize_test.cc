@@ -410,6 +410,8 @@ TEST_P(QuantizeColumnSums, AddSumRowsBitsAndLeaveTheCopiesAlone) {
   const Tensor initial = testing::random_tensor({cols}, DType::f32, rng(), magnitude);
   Tensor expected_sums = on(initial.clone(), p.backend);
   ops::sum_rows(x, expected_sums, /*accumulate=*/true);
+  Tensor expected_fresh_sums = Tensor::zeros({cols}, DType::f32, p.backend);
+  ops::sum_rows(x, expected_fresh_sums, /*accumulate=*/true);
   // The fused column pass (both copies), and the fallbacks without a transposed copy.
   const std::pair<ScalingMode, Usage> layouts[] = {
       {ScalingMode::per_tensor, {true, true}},  {ScalingMode::per_tensor, {false, true}},
@@ -417,13 +419,14 @@ TEST_P(QuantizeColumnSums, AddSumRowsBitsAndLeaveTheCopiesAlone) {
       {ScalingMode::per_tensor, {true, false}}, {ScalingMode::block_128x128, {true, false}}};
   for (const auto& [mode, usage] : layouts) {
     SCOPED_TRACE(::testing::Message() << fp8::scaling_mode_name(mode) << " " << usage_name(usage));
-    const auto quantize = [&](const Tensor& column_sums) {
+    const auto quantize = [&](const Tensor& column_sums, bool accumulate = true) {
       QuantizedTensor q =
           QuantizedTensor::allocate(rows, cols, DType::e5m2, mode, usage, p.backend);
       ops::QuantizeArgs args;
       if (mode == ScalingMode::per_tensor) args.scale = scalar_on(57344.0f / magnitude, p.backend);
       args.amax = scalar_on(0.0f, p.backend);
       args.column_sums = column_sums;
+      args.accumulate_column_sums = accumulate;
       ops::quantize(x, q, args);
       return std::make_pair(q, args.amax);
     };
@@ -431,6 +434,10 @@ TEST_P(QuantizeColumnSums, AddSumRowsBitsAndLeaveTheCopiesAlone) {
     const auto [fused, fused_amax] = quantize(sums);
     const auto [plain, plain_amax] = quantize(Tensor());
     EXPECT_TRUE(bitwise_equal(expected_sums, sums)) << "column sums";
+    // Overwriting (a gradient's first write) gives bitwise the sums added to zeros.
+    const Tensor overwritten = on(initial.clone(), p.backend);
+    quantize(overwritten, /*accumulate=*/false);
+    EXPECT_TRUE(bitwise_equal(expected_fresh_sums, overwritten)) << "overwritten column sums";
     EXPECT_TRUE(bitwise_equal(plain_amax, fused_amax)) << "amax";
     if (usage.rowwise) EXPECT_TRUE(bitwise_equal(plain.data, fused.data)) << "data";
     if (usage.columnwise) EXPECT_TRUE(bitwise_equal(plain.data_t, fused.data_t)) << "data_t";

@@ -49,12 +49,14 @@ struct WeightCast {
 /// Whether the optimizer wrote the weight cast that Linear::next_weight_cast() prepared.
 enum class PreparedCast : uint8_t { dropped, written };
 
-/// How zero_grad clears a weight gradient.
+/// How zero_grad clears a module's gradients.
 enum class ZeroGrad : uint8_t {
   now,  ///< zeroed at once
-  /// The next backward's weight-gradient GEMM overwrites it (beta 0) instead of accumulating,
-  /// so a training step needs no pass over the weight gradients (5.9 GB of memset at GPT-2
-  /// 1.5B). Until then it holds stale values: read it after a backward, or settle it first.
+  /// The next backward's writes overwrite them instead of accumulating (a weight-gradient GEMM
+  /// with beta 0; bias and norm-gain column sums added to 0 instead of to the old values), so a
+  /// training step needs no pass over the gradients: 5.9 GB of memset and 388 memset launches
+  /// at GPT-2 1.5B. Until then they hold stale values: read them after a backward, or settle
+  /// them first.
   on_next_write,
 };
 
@@ -144,11 +146,11 @@ class Linear {
   /// fused_grad_output.
   Tensor backward(const fp8::QuantizedTensor& dy_q, const Saved& saved);
 
-  /// Sets grad_weight and grad_bias to zero; with ZeroGrad::on_next_write the weight gradient is
-  /// overwritten by the next backward instead (see ZeroGrad).
+  /// Sets grad_weight and grad_bias to zero; with ZeroGrad::on_next_write both are overwritten
+  /// by the next backward instead (see ZeroGrad).
   void zero_grad(ZeroGrad how = ZeroGrad::now);
-  /// Zeroes a weight gradient still waiting for its write (ZeroGrad::on_next_write with no
-  /// backward since): call before reading grad_weight() when a backward may not have run.
+  /// Zeroes the gradients still waiting for their write (ZeroGrad::on_next_write with no
+  /// backward since): call before reading them when a backward may not have run.
   void settle_grad();
   /// The optimizer changed the master weights: the next forward casts them again, unless the
   /// optimizer wrote the cast next_weight_cast() prepared (PreparedCast::written), which is then
@@ -171,8 +173,8 @@ class Linear {
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }
   /// FP32 gradients, accumulated across backward calls until zero_grad() (after
-  /// zero_grad(ZeroGrad::on_next_write), grad_weight holds stale values until the next backward
-  /// or settle_grad()).
+  /// zero_grad(ZeroGrad::on_next_write), they hold stale values until the next backward or
+  /// settle_grad()).
   const Tensor& grad_weight() const { return grad_weight_; }
   const Tensor& grad_bias() const { return grad_bias_; }
   /// The FP8 state (nullptr before the first FP8 forward).
@@ -188,6 +190,9 @@ class Linear {
   /// The weight-gradient GEMM's arguments: beta 0 for the write that zero_grad(on_next_write)
   /// left pending (clearing it), else beta 1.
   ops::GemmArgs wgrad_args();
+  /// Whether the bias gradient's next write adds to it (false once after
+  /// zero_grad(ZeroGrad::on_next_write): it is overwritten).
+  bool bias_grad_accumulates();
   /// Throws unless t is defined, f32/bf16, on this layer's device with last extent `features`.
   void check_activation(const Tensor& t, int64_t features, const char* what) const;
   /// The FP8 state for `recipe`, (re)built when absent or made for another recipe.
@@ -224,6 +229,7 @@ class Linear {
   int64_t weight_casts_ = 0;
   /// grad_weight_ waits for its overwrite (ZeroGrad::on_next_write): the next wgrad GEMM writes.
   bool grad_weight_unwritten_ = false;
+  bool grad_bias_unwritten_ = false;
 };
 
 }  // namespace octet::nn

@@ -42,7 +42,10 @@ class Norm {
   /// dx from dy (x's shape and dtype); accumulates grad_gamma (and grad_beta). With `residual`
   /// (like dy): returns dx + residual, in the same pass (the residual stream's other gradient).
   Tensor backward(const Tensor& dy, const Saved& saved, const Tensor& residual = Tensor());
-  void zero_grad();
+  /// Zeroes grad_gamma and grad_beta, now or at the next backward's write (ZeroGrad).
+  void zero_grad(ZeroGrad how = ZeroGrad::now);
+  /// Zeroes gradients still waiting for their write (as Linear::settle_grad).
+  void settle_grad();
 
   NormKind kind() const { return kind_; }
   int64_t dim() const { return dim_; }
@@ -58,6 +61,7 @@ class Norm {
   float eps_;
   Device device_;
   Tensor gamma_, beta_, grad_gamma_, grad_beta_;
+  bool grads_unwritten_ = false;  ///< zero_grad(ZeroGrad::on_next_write) with no backward since
 };
 
 /// The four Linear layers of a block, in registration order.
@@ -185,9 +189,9 @@ class TransformerBlock {
   /// parameter gradient and releases the record.
   Tensor backward(const Tensor& dy, Saved& saved);
 
-  /// Zeroes every gradient; `how` applies to the Linear weight gradients (ZeroGrad).
+  /// Zeroes every gradient, now or at its next write (ZeroGrad).
   void zero_grad(ZeroGrad how = ZeroGrad::now);
-  /// Linear::settle_grad for every Linear of the block.
+  /// settle_grad for every Linear and norm of the block.
   void settle_grads();
   /// Linear::on_weights_updated for every Linear of the block.
   void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);

@@ -17,17 +17,21 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 /// dx (x's dtype) = LayerNorm input gradient; dgamma += sum_rows(dy * xhat), dbeta += sum_rows(dy)
 /// (f32 [cols], accumulated across calls, reduced in a fixed order). With `residual` (like x):
 /// dx = that gradient + residual, bitwise what a separate ops::add would give: where a residual
-/// stream's two gradient paths meet, in the same pass.
+/// stream's two gradient paths meet, in the same pass. With accumulate_params false, dgamma and
+/// dbeta are overwritten, bitwise as if they had been zeroed first (0 + the sum).
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta, const Tensor& residual = Tensor());
+                        const Tensor& dbeta, const Tensor& residual = Tensor(),
+                        bool accumulate_params = true);
 
 /// y = x * rstd * gamma, rstd = 1/sqrt(mean(x^2) + eps); `fused` and an undefined y as for
 /// layernorm_forward.
 void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
                      const Tensor& rstd, const FusedQuantize* fused = nullptr);
-/// dx; dgamma += sum_rows(dy * x * rstd); `residual` as for layernorm_backward.
+/// dx; dgamma += sum_rows(dy * x * rstd); `residual` and accumulate_params as for
+/// layernorm_backward.
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual = Tensor());
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual = Tensor(),
+                      bool accumulate_params = true);
 
 }  // namespace octet::ops

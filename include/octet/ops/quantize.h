@@ -26,6 +26,9 @@ struct QuantizeArgs {
   /// the quantize kernel when the transposed copy is written (that pass holds whole columns);
   /// otherwise it runs sum_rows after the quantize.
   Tensor column_sums;
+  /// false: column_sums = the sums, bitwise as ops::sum_rows(x, column_sums, false) (its old
+  /// values are not read), so a gradient's first write needs no zeroing before it.
+  bool accumulate_column_sums = true;
 };
 
 /// Optional FP8 output of a fused op (norms, activations, the optimizer step): the op also writes

@@ -99,11 +99,12 @@ class GPT {
   /// The statistics of the last microbatch that collected them.
   std::vector<Fp8InputStats> fp8_input_stats() const;
 
-  /// Zeroes every gradient; `how` applies to the blocks' Linear weight gradients (nn::ZeroGrad:
-  /// on_next_write skips their zeroing pass; call settle_grads() before reading them).
+  /// Zeroes every gradient; `how` applies to the blocks' Linear and norm gradients and the final
+  /// norm's (nn::ZeroGrad: on_next_write skips their zeroing; call settle_grads() before reading
+  /// them). The embedding and head gradients are zeroed now.
   void zero_grad(nn::ZeroGrad how = nn::ZeroGrad::now);
-  /// Zeroes the Linear weight gradients that zero_grad(on_next_write) left for a backward that
-  /// did not come; free when every Linear ran its backward. Call before reading gradients.
+  /// Zeroes the gradients that zero_grad(on_next_write) left for a backward that did not come;
+  /// free when every module ran its backward. Call before reading gradients.
   void settle_grads();
   /// For each of parameters(), in its order, the Linear::next_weight_cast() of a Linear weight
   /// (nullptr for everything else), for the optimizer to write with its update

@@ -55,11 +55,12 @@ void norm_forward(const Tensor& x_t, const Tensor& gamma_t, const Tensor& beta_t
   }
 }
 
-/// Both norms' backward pass: dx per row; dgamma (and dbeta) += fixed-order column sums.
+/// Both norms' backward pass: dx per row; dgamma (and dbeta) (+)= fixed-order column sums.
 template <typename T, bool kRms>
 void norm_backward(const Tensor& dy_t, const Tensor& x_t, const Tensor& gamma_t,
                    const Tensor& mean_t, const Tensor& rstd_t, const Tensor& dx_t,
-                   const Tensor& dgamma_t, const Tensor& dbeta_t, const Tensor& residual_t) {
+                   const Tensor& dgamma_t, const Tensor& dbeta_t, const Tensor& residual_t,
+                   bool accumulate) {
   const int64_t rows = x_t.rows(), cols = x_t.cols();
   const float n = static_cast<float>(cols);
   const auto* dy = static_cast<const T*>(dy_t.raw_data());
@@ -105,7 +106,7 @@ void norm_backward(const Tensor& dy_t, const Tensor& x_t, const Tensor& gamma_t,
       }
     }
   }
-  // Tile partials in tile order, then one add into the accumulated gradient.
+  // Tile partials in tile order, then one add into the accumulated gradient (or into 0).
   float* dgamma = dgamma_t.data<float>();
   float* dbeta = kRms ? nullptr : dbeta_t.data<float>();
 #pragma omp parallel for schedule(static)
@@ -115,8 +116,8 @@ void norm_backward(const Tensor& dy_t, const Tensor& x_t, const Tensor& gamma_t,
       g += partial[tile * sums * cols + c];
       if constexpr (!kRms) b += partial[tile * sums * cols + cols + c];
     }
-    dgamma[c] += g;
-    if constexpr (!kRms) dbeta[c] += b;
+    dgamma[c] = (accumulate ? dgamma[c] : 0.0f) + g;
+    if constexpr (!kRms) dbeta[c] = (accumulate ? dbeta[c] : 0.0f) + b;
   }
 }
 
@@ -131,9 +132,10 @@ void layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta, const Tensor& residual) {
+                        const Tensor& dbeta, const Tensor& residual, bool accumulate_params) {
   math::visit_dtype(x.dtype(), [&](auto t) {
-    norm_backward<decltype(t), false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual);
+    norm_backward<decltype(t), false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual,
+                                      accumulate_params);
   });
 }
 
@@ -145,9 +147,11 @@ void rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual,
+                      bool accumulate_params) {
   math::visit_dtype(x.dtype(), [&](auto t) {
-    norm_backward<decltype(t), true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(), residual);
+    norm_backward<decltype(t), true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(), residual,
+                                     accumulate_params);
   });
 }
 

@@ -258,7 +258,7 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
                      decltype(fp8_tag)::value>(p, out, args);
     });
   });
-  if (args.column_sums.defined()) sum_rows(x, args.column_sums, /*accumulate=*/true);
+  if (args.column_sums.defined()) sum_rows(x, args.column_sums, args.accumulate_column_sums);
 }
 
 void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {

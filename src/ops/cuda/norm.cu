@@ -419,11 +419,12 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
   }
 }
 
-/// out[j][c] += the sum over tiles, in tile order, of partials[tile][j][c] (j: dgamma, dbeta).
+/// out[j][c] (+)= the sum over tiles, in tile order, of partials[tile][j][c] (j: dgamma, dbeta);
+/// without `accumulate`, out is 0 + the sum (bitwise what zeroing it first gives).
 /// Block (32, kColumnChunks): threadIdx.x picks the column, threadIdx.y a fixed chunk of tiles;
 /// the chunks are then added in chunk order, so the order depends on the tile count only.
 __global__ void column_sums_kernel(const float* __restrict__ partials, int64_t tiles, int sums,
-                                   int64_t cols, float* dgamma, float* dbeta) {
+                                   int64_t cols, float* dgamma, float* dbeta, bool accumulate) {
   __shared__ float chunk_sums[kColumnChunks][kWarpSize];
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarpSize + threadIdx.x;  // j * cols + c
   const bool valid = i < sums * cols;
@@ -447,7 +448,7 @@ __global__ void column_sums_kernel(const float* __restrict__ partials, int64_t t
 #pragma unroll
   for (int chunk = 0; chunk < kColumnChunks; ++chunk) total += chunk_sums[chunk][threadIdx.x];
   float* out = i < cols ? dgamma + i : dbeta + (i - cols);
-  *out += total;  // one add into the accumulated gradient
+  *out = (accumulate ? *out : 0.0f) + total;  // one add into the accumulated gradient
 }
 
 // ----------------------------------------------------------------------------
@@ -567,7 +568,7 @@ bool launch_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, fl
 template <typename T, int kN, bool kRms>
 void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                      const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                     const Tensor& dbeta, const Tensor& residual) {
+                     const Tensor& dbeta, const Tensor& residual, bool accumulate) {
   constexpr int kSums = kRms ? 1 : 2;
   const Device& device = x.device();
   const cudaStream_t stream = octet::cuda::stream(device);
@@ -601,7 +602,7 @@ void launch_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, con
               " columns exceed the grid limit");
   column_sums_kernel<<<static_cast<unsigned>(column_blocks), dim3(kWarpSize, kColumnChunks), 0,
                        stream>>>(partials.data<float>(), tiles, kSums, cols, dgamma.data<float>(),
-                                 kRms ? nullptr : dbeta.data<float>());
+                                 kRms ? nullptr : dbeta.data<float>(), accumulate);
   OCTET_CHECK_LAUNCH();
   // `partials` is freed stream-ordered (cudaFreeAsync on this stream), after the kernels.
 }
@@ -638,14 +639,14 @@ bool forward(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps
 template <bool kRms>
 void backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
               const Tensor& rstd, const Tensor& dx, const Tensor& dgamma, const Tensor& dbeta,
-              const Tensor& residual) {
+              const Tensor& residual, bool accumulate) {
   DeviceGuard guard(x.device());
   visit_layout(
       x.dtype(), x.cols(),
       {dy.raw_data(), x.raw_data(), dx.raw_data(), gamma.raw_data(), ptr_or_null(residual)},
       [&](auto t, auto n) {
         launch_backward<decltype(t), decltype(n)::value, kRms>(dy, x, gamma, mean, rstd, dx, dgamma,
-                                                               dbeta, residual);
+                                                               dbeta, residual, accumulate);
       });
 }
 
@@ -659,8 +660,8 @@ bool layernorm_forward(const Tensor& x, const Tensor& gamma, const Tensor& beta,
 
 void layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& mean,
                         const Tensor& rstd, const Tensor& dx, const Tensor& dgamma,
-                        const Tensor& dbeta, const Tensor& residual) {
-  backward<false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual);
+                        const Tensor& dbeta, const Tensor& residual, bool accumulate_params) {
+  backward<false>(dy, x, gamma, mean, rstd, dx, dgamma, dbeta, residual, accumulate_params);
 }
 
 bool rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tensor& y,
@@ -669,8 +670,9 @@ bool rmsnorm_forward(const Tensor& x, const Tensor& gamma, float eps, const Tens
 }
 
 void rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma, const Tensor& rstd,
-                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual) {
-  backward<true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(), residual);
+                      const Tensor& dx, const Tensor& dgamma, const Tensor& residual,
+                      bool accumulate_params) {
+  backward<true>(dy, x, gamma, Tensor(), rstd, dx, dgamma, Tensor(), residual, accumulate_params);
 }
 
 }  // namespace octet::ops::cuda

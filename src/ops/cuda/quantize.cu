@@ -208,7 +208,8 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
   });
   // Column sums ride on the tile kernel's column pass; without a transposed copy there is none,
   // and sum_rows reads x again.
-  if (args.column_sums.defined() && !sums_done) sum_rows(x, args.column_sums, /*accumulate=*/true);
+  if (args.column_sums.defined() && !sums_done)
+    sum_rows(x, args.column_sums, args.accumulate_column_sums);
 }
 
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed) {

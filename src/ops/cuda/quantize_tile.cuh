@@ -465,7 +465,7 @@ bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const
     });
   });
   if (!col_partials.defined()) return false;
-  combine_row_partials(col_partials, args.column_sums, /*accumulate=*/true);
+  combine_row_partials(col_partials, args.column_sums, args.accumulate_column_sums);
   return true;
 }
 
