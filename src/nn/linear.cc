@@ -180,30 +180,43 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
   return weight_cast_;
 }
 
-const ops::FusedQuantize* Linear::next_weight_cast() {
+const Linear::NextCast& Linear::prepare_next_cast() {
   next_cast_.reset();
-  if (!weight_cast_ || !weight_cast_->key.fp8 || state_ == nullptr) return nullptr;
+  next_targets_ = NextCast{};
+  if (!weight_cast_) return next_targets_;
   const WeightCast::Key& key = weight_cast_->key;
-  if (key.kind != fp8::RecipeKind::delayed || key.mode != fp8::ScalingMode::per_tensor)
-    return nullptr;
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
-  cast->q = fp8::QuantizedTensor::allocate(
-      out_, in_, key.dtype, key.mode, fp8::Usage{.rowwise = true, .columnwise = true}, device_);
-  next_cast_target_ = ops::FusedQuantize{};
-  next_cast_target_.out = &cast->q;
-  next_cast_target_.args.scale = state_->scale(TensorRole::weight);
-  next_cast_target_.args.amax = state_->amax_slot(TensorRole::weight);
+  if (key.fp8) {
+    if (state_ == nullptr || key.kind != fp8::RecipeKind::delayed ||
+        key.mode != fp8::ScalingMode::per_tensor)
+      return next_targets_;
+    cast->q = fp8::QuantizedTensor::allocate(
+        out_, in_, key.dtype, key.mode, fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+    next_fp8_target_ = ops::FusedQuantize{};
+    next_fp8_target_.out = &cast->q;
+    next_fp8_target_.args.scale = state_->scale(TensorRole::weight);
+    next_fp8_target_.args.amax = state_->amax_slot(TensorRole::weight);
+    next_targets_.weight_fp8 = &next_fp8_target_;
+  } else if (key.dtype == DType::bf16) {
+    cast->dense = Tensor::empty({out_, in_}, DType::bf16, device_);
+    next_targets_.weight_bf16 = cast->dense;
+  } else {
+    cast->dense = weight_;  // an f32 layer computes with the master itself
+  }
+  if (bias_.defined()) {
+    cast->bias_bf16 = Tensor::empty({out_}, DType::bf16, device_);
+    next_targets_.bias_bf16 = cast->bias_bf16;
+  }
   next_cast_ = std::move(cast);
-  return &next_cast_target_;
+  return next_targets_;
 }
 
 void Linear::on_weights_updated(PreparedCast prepared) {
   weight_cast_.reset();
+  next_targets_ = NextCast{};
   if (prepared == PreparedCast::dropped) next_cast_.reset();
   if (!next_cast_) return;
-  // The optimizer wrote the FP8 weight; the bias copy is cast from the updated bias here.
-  if (bias_.defined()) next_cast_->bias_bf16 = in_dtype(bias_, DType::bf16);
   ++weight_casts_;
   weight_cast_ = std::move(next_cast_);
 }

@@ -91,9 +91,12 @@ void check_no_overlap(const AdamWTensor* tensors, int count, const char* op) {
   };
   std::vector<Range> written;
   for (int i = 0; i < count; ++i) {
-    const std::pair<const Tensor*, const char*> state[] = {
-        {&tensors[i].param, "param"}, {&tensors[i].m, "m"}, {&tensors[i].v, "v"}};
+    const std::pair<const Tensor*, const char*> state[] = {{&tensors[i].param, "param"},
+                                                           {&tensors[i].m, "m"},
+                                                           {&tensors[i].v, "v"},
+                                                           {&tensors[i].bf16_copy, "bf16_copy"}};
     for (const auto& [t, name] : state) {
+      if (!t->defined()) continue;
       const auto begin = reinterpret_cast<uintptr_t>(t->raw_data());
       written.push_back({begin, begin + t->nbytes(), i, name});
     }
@@ -106,6 +109,18 @@ void check_no_overlap(const AdamWTensor* tensors, int count, const char* op) {
     OCTET_CHECK(b.begin >= a.end, op, ": tensors[", b.entry, "].", b.name, " overlaps tensors[",
                 a.entry, "].", a.name, " in memory; every tensor written must appear once");
   }
+}
+
+/// Throws unless entry `index`'s bf16 copy (when it has one) is bf16 of param's shape and device.
+void check_adamw_bf16_copy(const AdamWTensor& t, int index, const char* op) {
+  if (!t.bf16_copy.defined()) return;
+  const EntryName name{index, "bf16_copy"};
+  OCTET_CHECK(t.bf16_copy.dtype() == DType::bf16 && t.bf16_copy.shape() == t.param.shape(), op,
+              ": ", name, " must be bf16 of param's shape ", shape_str(t.param.shape()), ", got ",
+              t.bf16_copy.describe());
+  OCTET_CHECK(t.bf16_copy.device() == t.param.device(), op,
+              ": all tensors must be on one device, got param ", t.param.describe(), " and ", name,
+              " ", t.bf16_copy.describe());
 }
 
 /// Throws unless entry `index`'s cast (when it has one) can be written with the step.
@@ -123,8 +138,8 @@ void check_adamw_cast(const AdamWTensor& t, int index, const char* op) {
   check_quantize_target(op, t.param.rows(), t.param.cols(), *t.cast->out, t.cast->args, t.param);
 }
 
-/// Runs the validated step on norm_sq's device. The CPU casts with ops::quantize after its step;
-/// the CUDA backend writes the casts itself.
+/// Runs the validated step on norm_sq's device. The CPU casts with ops::quantize and ops::cast
+/// after its step; the CUDA backend writes the casts and copies itself.
 void run_adamw(const AdamWTensor* tensors, int count, const Tensor& norm_sq, const AdamWArgs& args,
                const char* op) {
   const AdamWCoefficients coefficients = adamw_coefficients(args);
@@ -132,9 +147,11 @@ void run_adamw(const AdamWTensor* tensors, int count, const Tensor& norm_sq, con
       norm_sq.device(), op,
       [&] {
         cpu::adamw_step(tensors, count, norm_sq, coefficients);
-        for (int i = 0; i < count; ++i)
+        for (int i = 0; i < count; ++i) {
           if (tensors[i].cast != nullptr)
             quantize(tensors[i].param, *tensors[i].cast->out, tensors[i].cast->args);
+          if (tensors[i].bf16_copy.defined()) cast(tensors[i].param, tensors[i].bf16_copy);
+        }
       },
       [&] { OCTET_CUDA_ONLY(cuda::adamw_step(tensors, count, norm_sq, coefficients)); });
 }
@@ -178,6 +195,7 @@ void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
   for (int i = 0; i < count; ++i) {
     check_adamw_tensor(tensors[i], i, norm_sq, op);
     check_adamw_cast(tensors[i], i, op);
+    check_adamw_bf16_copy(tensors[i], i, op);
   }
   check_no_overlap(tensors, count, op);
   check_adamw_args(args, op);

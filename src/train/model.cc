@@ -78,6 +78,7 @@ struct Entry {
   bool weight_decay;
   Init init;
   nn::Linear* weight_of = nullptr;  ///< the Linear whose weight `value` is, if any
+  nn::Linear* bias_of = nullptr;    ///< the Linear whose bias `value` is, if any
 };
 
 constexpr const char* kSlotNames[nn::kBlockLinears] = {"attn.qkv", "attn.proj", "mlp.fc1",
@@ -203,6 +204,8 @@ struct GPT::Impl {
   nn::Norm final_norm;
   nn::AmaxRegistry registry;
   Tensor head_cast;  ///< the head weight in the activation dtype, cast once per optimizer step
+  /// next_casts()' target for the next step's head_cast, written by the optimizer.
+  Tensor next_head_cast;
   bool collect_stats = false;
   std::vector<Fp8InputStats> stats;
 
@@ -290,7 +293,8 @@ std::vector<Entry> GPT::Impl::entries() {
   auto add_linear = [&](const std::string& prefix, nn::Linear& linear, Init init) {
     out.push_back({prefix + ".weight", linear.weight(), linear.grad_weight(), true, init, &linear});
     if (linear.bias().defined())
-      out.push_back({prefix + ".bias", linear.bias(), linear.grad_bias(), false, Init::zeros});
+      out.push_back({prefix + ".bias", linear.bias(), linear.grad_bias(), false, Init::zeros,
+                     nullptr, &linear});
   };
   for (size_t l = 0; l < blocks.size(); ++l) {
     nn::TransformerBlock& b = blocks[l];
@@ -522,16 +526,32 @@ void GPT::settle_grads() {
   impl_->final_norm.settle_grad();
 }
 
-std::vector<const ops::FusedQuantize*> GPT::next_weight_casts() {
-  std::vector<const ops::FusedQuantize*> casts;
-  for (Entry& e : impl_->entries())
-    casts.push_back(e.weight_of != nullptr ? e.weight_of->next_weight_cast() : nullptr);
+std::vector<ParamCast> GPT::next_casts() {
+  std::vector<Entry> entries = impl_->entries();
+  for (Entry& e : entries)
+    if (e.weight_of != nullptr) e.weight_of->prepare_next_cast();
+  std::vector<ParamCast> casts(entries.size());
+  Impl& m = *impl_;
+  m.next_head_cast = Tensor();
+  for (size_t i = 0; i < entries.size(); ++i) {
+    if (m.act != DType::f32 && entries[i].value.raw_data() == m.head_weight().raw_data()) {
+      m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.device);
+      casts[i].bf16_copy = m.next_head_cast;
+    } else if (const nn::Linear* w = entries[i].weight_of) {
+      casts[i].cast = w->prepared_next_cast().weight_fp8;
+      casts[i].bf16_copy = w->prepared_next_cast().weight_bf16;
+    } else if (const nn::Linear* b = entries[i].bias_of) {
+      casts[i].bf16_copy = b->prepared_next_cast().bias_bf16;
+    }
+  }
   return casts;
 }
 
 void GPT::on_weights_updated(nn::PreparedCast prepared) {
-  for (nn::TransformerBlock& b : impl_->blocks) b.on_weights_updated(prepared);
-  impl_->head_cast = Tensor();
+  Impl& m = *impl_;
+  for (nn::TransformerBlock& b : m.blocks) b.on_weights_updated(prepared);
+  m.head_cast = prepared == nn::PreparedCast::written ? m.next_head_cast : Tensor();
+  m.next_head_cast = Tensor();
 }
 
 }  // namespace octet::train

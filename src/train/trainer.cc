@@ -320,12 +320,15 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
       s.adamw.push_back({s.params[i].value, s.params[i].grad, s.adam_m[i], s.adam_v[i], decay});
     }
   }
-  // The FP8 weight casts of the next step are written with the update (AdamWTensor::cast).
-  // The table follows parameters()' order, as next_weight_casts() does.
-  const std::vector<const ops::FusedQuantize*> casts = s.model->next_weight_casts();
+  // The next step's FP8 weight casts and bf16 copies are written with the update
+  // (AdamWTensor::cast, ::bf16_copy). The table follows parameters()' order, as next_casts().
+  const std::vector<ParamCast> casts = s.model->next_casts();
   OCTET_CHECK(casts.size() == s.adamw.size(), "train_step: ", casts.size(),
               " weight-cast slots for ", s.adamw.size(), " parameters");
-  for (size_t i = 0; i < s.adamw.size(); ++i) s.adamw[i].cast = casts[i];
+  for (size_t i = 0; i < s.adamw.size(); ++i) {
+    s.adamw[i].cast = casts[i].cast;
+    s.adamw[i].bf16_copy = casts[i].bf16_copy;
+  }
   ops::AdamWArgs args;
   args.lr = static_cast<float>(r.lr);
   args.beta1 = kBeta1;

@@ -324,6 +324,23 @@ TEST_P(LinearFp8Test, WeightIsCastOncePerStepAndReusedAcrossMicrobatches) {
   }
 }
 
+/// One AdamW step of `layer`'s weight and bias that also writes `cast`'s prepared fields (none
+/// when it is empty), then on_weights_updated (written when anything was prepared).
+void step_adamw(Linear& layer, const Linear::NextCast& cast) {
+  const Device& device = layer.device();
+  const auto zeros = [&](const Tensor& t) { return Tensor::zeros(t.shape(), DType::f32, device); };
+  std::vector<ops::AdamWTensor> table = {
+      {layer.weight(), layer.grad_weight(), zeros(layer.weight()), zeros(layer.weight()), 0.1f,
+       cast.weight_fp8, cast.weight_bf16},
+      {layer.bias(), layer.grad_bias(), zeros(layer.bias()), zeros(layer.bias()), 0.0f, nullptr,
+       cast.bias_bf16}};
+  const Tensor norm_sq = Tensor::from_vector({1.0f}, {1}).to(device);
+  ops::adamw_step(table.data(), static_cast<int>(table.size()), norm_sq, ops::AdamWArgs{});
+  const bool prepared = cast.weight_fp8 != nullptr || cast.weight_bf16.defined();
+  layer.on_weights_updated(prepared ? PreparedCast::written : PreparedCast::dropped);
+  layer.zero_grad();
+}
+
 TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
   const auto& [device, recipe] = GetParam();
   OCTET_SKIP_IF_UNAVAILABLE(device);
@@ -337,25 +354,14 @@ TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
   AmaxRegistry registry_a, registry_r;
   run_microbatch(adopted, recipe, registry_a, x[0], dy[0]);
   run_microbatch(recast, recipe, registry_r, x[0], dy[0]);
-  const ops::FusedQuantize* cast = adopted.next_weight_cast();
-  EXPECT_EQ(cast != nullptr, recipe.kind == fp8::RecipeKind::delayed)
+  const Linear::NextCast cast = adopted.prepare_next_cast();
+  const bool offered = cast.weight_fp8 != nullptr;
+  EXPECT_EQ(offered, recipe.kind == fp8::RecipeKind::delayed)
       << "offered exactly for delayed (per-tensor, stored-scale) recipes";
-  const Tensor norm_sq = Tensor::from_vector({1.0f}, {1}).to(device);
-  const auto step = [&](Linear& layer, const ops::FusedQuantize* weight_cast) {
-    const auto zeros = [&](const Tensor& t) {
-      return Tensor::zeros(t.shape(), DType::f32, device);
-    };
-    std::vector<ops::AdamWTensor> table = {
-        {layer.weight(), layer.grad_weight(), zeros(layer.weight()), zeros(layer.weight()), 0.1f,
-         weight_cast},
-        {layer.bias(), layer.grad_bias(), zeros(layer.bias()), zeros(layer.bias()), 0.0f}};
-    ops::adamw_step(table.data(), static_cast<int>(table.size()), norm_sq, ops::AdamWArgs{});
-    layer.on_weights_updated(weight_cast != nullptr ? PreparedCast::written
-                                                    : PreparedCast::dropped);
-    layer.zero_grad();
-  };
-  step(adopted, cast);
-  step(recast, nullptr);
+  EXPECT_EQ(cast.bias_bf16.defined(), offered) << "the bias copy comes with the weight cast";
+  EXPECT_FALSE(cast.weight_bf16.defined()) << "an FP8 layer has no dense copy";
+  step_adamw(adopted, cast);
+  step_adamw(recast, Linear::NextCast{});
   Tensor y_a, y_r;
   const Tensor dx_a = run_microbatch(adopted, recipe, registry_a, x[1], dy[1], &y_a);
   const Tensor dx_r = run_microbatch(recast, recipe, registry_r, x[1], dy[1], &y_r);
@@ -366,7 +372,7 @@ TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
   EXPECT_EQ(adopted.weight_casts(), 2);
   EXPECT_EQ(recast.weight_casts(), 2);
   // A prepared cast that the optimizer did not write is never adopted.
-  if (recast.next_weight_cast() != nullptr) {
+  if (recast.prepare_next_cast().weight_fp8 != nullptr) {
     recast.on_weights_updated();
     run_microbatch(recast, recipe, registry_r, x[1], dy[1]);
     EXPECT_EQ(recast.weight_casts(), 3) << "dropped: the forward cast the weight itself";
@@ -624,6 +630,38 @@ TEST_P(LinearBackendTest, Bf16ComputeTracksFp32AndCastsOncePerStep) {
   EXPECT_TRUE(within(y, y32, kBf16Tol));
   EXPECT_TRUE(within(dx, dx32, kBf16Tol));
   EXPECT_TRUE(within(bf16.grad_weight(), f32.grad_weight(), kBf16Tol));
+}
+
+/// A bf16-compute layer whose optimizer wrote the bf16 weight and bias copies computes bitwise as
+/// one that casts its updated masters at the next forward.
+TEST_P(LinearBackendTest, Bf16CopiesWrittenByTheOptimizerEqualCastingAgain) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Linear adopted(48, 32, true, device, seed, DType::bf16), recast(48, 32, true, device, seed,
+                                                                   DType::bf16);
+  const Tensor x = testing::random_tensor({20, 48}, DType::bf16, seed + 1).to(device);
+  const Tensor dy = testing::random_tensor({20, 32}, DType::bf16, seed + 2).to(device);
+  for (Linear* layer : {&adopted, &recast}) {
+    Linear::Saved saved;
+    layer->forward(x, saved);
+    layer->backward(dy, saved);
+  }
+  const Linear::NextCast cast = adopted.prepare_next_cast();
+  ASSERT_TRUE(cast.weight_bf16.defined() && cast.bias_bf16.defined());
+  EXPECT_EQ(cast.weight_fp8, nullptr);
+  step_adamw(adopted, cast);
+  step_adamw(recast, Linear::NextCast{});
+  Linear::Saved saved_a, saved_r;
+  const Tensor y_a = adopted.forward(x, saved_a), y_r = recast.forward(x, saved_r);
+  EXPECT_TRUE(testing::bitwise_equal(y_a, y_r)) << "y";
+  EXPECT_TRUE(testing::bitwise_equal(saved_a.snapshot.weight->dense, saved_r.snapshot.weight->dense))
+      << "the bf16 weight";
+  EXPECT_TRUE(testing::bitwise_equal(adopted.backward(dy, saved_a), recast.backward(dy, saved_r)))
+      << "dx";
+  EXPECT_EQ(adopted.weight_casts(), 2);
+  EXPECT_EQ(recast.weight_casts(), 2);
 }
 
 TEST_P(LinearBackendTest, RejectsInputsThatDoNotFit) {

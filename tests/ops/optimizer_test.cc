@@ -330,7 +330,8 @@ TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   // Awkward and aligned shapes, both FP8 dtypes, every combination of copies, and an entry
-  // without a cast (a bias) in the same launch.
+  // without a cast (a bias) in the same launch. Every entry but the third also gets a bf16 copy
+  // (AdamWTensor::bf16_copy), which must equal ops::cast after the step.
   const std::vector<CastEntry> entries = {{{1481, 677}, DType::e4m3, {true, true}, true},
                                           {{128, 256}, DType::e5m2, {true, true}, true},
                                           {{96, 80}, DType::e4m3, {true, false}, false},
@@ -348,8 +349,9 @@ TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
   struct Run {
     std::vector<Tensor> param, m, v;
     std::vector<fp8::QuantizedTensor> q;
-    std::vector<Tensor> amax;
+    std::vector<Tensor> amax, bf16;
   };
+  const auto has_copy = [](size_t i) { return i != 2; };
   const auto run = [&](const Device& device, bool fused) {
     Run r;
     std::vector<ops::AdamWTensor> table;
@@ -369,6 +371,8 @@ TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
                                                             device)
                            : fp8::QuantizedTensor());
       r.amax.push_back(on(Tensor::from_vector({kAmaxBefore}, {1}), device));
+      r.bf16.push_back(has_copy(i) ? Tensor::empty(e.shape, DType::bf16, device) : Tensor());
+      if (fused) table.back().bf16_copy = r.bf16[i];
     }
     for (size_t i = 0; i < entries.size(); ++i) {
       if (!entries[i].cast) continue;
@@ -381,8 +385,10 @@ TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
     const Tensor norm = on(Tensor::from_vector({norm_value}, {1}), device);
     ops::adamw_step(table.data(), static_cast<int>(table.size()), norm, args);
     if (!fused) {
-      for (size_t i = 0; i < entries.size(); ++i)
+      for (size_t i = 0; i < entries.size(); ++i) {
         if (entries[i].cast) ops::quantize(r.param[i], r.q[i], casts[i].args);
+        if (has_copy(i)) ops::cast(r.param[i], r.bf16[i]);
+      }
     }
     return r;
   };
@@ -393,6 +399,7 @@ TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
       EXPECT_TRUE(bitwise_equal(a.m[i], b.m[i])) << "m";
       EXPECT_TRUE(bitwise_equal(a.v[i], b.v[i])) << "v";
       EXPECT_TRUE(bitwise_equal(a.amax[i], b.amax[i])) << "amax";
+      if (has_copy(i)) EXPECT_TRUE(bitwise_equal(a.bf16[i], b.bf16[i])) << "bf16 copy";
       if (!entries[i].cast) continue;
       for (const auto& [x, y, what] :
            {std::tuple{&a.q[i].data, &b.q[i].data, "data"},
@@ -430,6 +437,14 @@ TEST(AdamWCast, RefusesWhatItCannotWrite) {
     ops::adamw_step(&t, 1, norm, ops::AdamWArgs{});
   };
   expect_error([&] { step(p, &block_cast); }, {"adamw_step", "tensors[0].cast", "per_tensor"});
+  ops::AdamWTensor copied{p, p.clone(), p.clone(), p.clone(), 0.0f, nullptr,
+                          Tensor::empty({8, 4}, DType::bf16)};
+  expect_error([&] { ops::adamw_step(&copied, 1, norm, ops::AdamWArgs{}); },
+               {"adamw_step", "tensors[0].bf16_copy must be bf16 of param's shape [4, 8]",
+                "bf16[8, 4]"});
+  copied.bf16_copy = Tensor::empty({4, 8}, DType::f32);
+  expect_error([&] { ops::adamw_step(&copied, 1, norm, ops::AdamWArgs{}); },
+               {"tensors[0].bf16_copy must be bf16"});
   expect_error([&] { step(b, &wrong_cast); }, {"adamw_step", "needs a 2-D parameter"});
   expect_error([&] { step(p, &wrong_cast); }, {"adamw_step", "shape mismatch"});
 }

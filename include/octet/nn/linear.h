@@ -46,7 +46,7 @@ struct WeightCast {
   Tensor bias_bf16;
 };
 
-/// Whether the optimizer wrote the weight cast that Linear::next_weight_cast() prepared.
+/// Whether the optimizer wrote the casts that Linear::prepare_next_cast() prepared.
 enum class PreparedCast : uint8_t { dropped, written };
 
 /// How zero_grad clears a module's gradients.
@@ -153,17 +153,31 @@ class Linear {
   /// backward since): call before reading them when a backward may not have run.
   void settle_grad();
   /// The optimizer changed the master weights: the next forward casts them again, unless the
-  /// optimizer wrote the cast next_weight_cast() prepared (PreparedCast::written), which is then
+  /// optimizer wrote what prepare_next_cast() prepared (PreparedCast::written), which is then
   /// adopted. A prepared cast is dropped otherwise.
   void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);
-  /// The FP8 weight cast for the next optimizer step, for the optimizer to write together with
-  /// the update (ops::AdamWTensor::cast), so that the next forward needs no pass over the FP32
-  /// master. Offered when this step's cast was FP8 with a stored per-tensor scale (delayed
-  /// scaling): the cast then uses the state's weight scale as it stands, which no update changes
-  /// before the next step's first forward, and records the weight amax as that forward's cast
-  /// would. nullptr otherwise. The caller writes it, then calls
-  /// on_weights_updated(PreparedCast::written); a next forward under another recipe casts again.
-  const ops::FusedQuantize* next_weight_cast();
+
+  /// What the optimizer writes together with the update so that the next forward casts nothing
+  /// from the FP32 masters. A null or undefined field is not prepared.
+  struct NextCast {
+    /// The FP8 weight cast (ops::AdamWTensor::cast). Offered when this step's cast was FP8 with
+    /// a stored per-tensor scale (delayed scaling): the cast then uses the state's weight scale
+    /// as it stands, which no update changes before the next step's first forward, and records
+    /// the weight amax as that forward's cast would.
+    const ops::FusedQuantize* weight_fp8 = nullptr;
+    /// The bf16 weight of a bf16-compute layer (ops::AdamWTensor::bf16_copy).
+    Tensor weight_bf16;
+    /// The bf16 bias (WeightCast::bias_bf16) of a layer with a bias, with either of the above.
+    Tensor bias_bf16;
+  };
+  /// Prepares the next step's cast when this step's forward cast the weight in a way the
+  /// optimizer can reproduce (FP8 delayed per-tensor, or a dense bf16/f32 copy); returns what
+  /// the optimizer must write (all empty otherwise). The caller writes every prepared field, then
+  /// calls on_weights_updated(PreparedCast::written); a next forward in another format casts
+  /// again.
+  const NextCast& prepare_next_cast();
+  /// What the last prepare_next_cast() returned (empty after on_weights_updated()).
+  const NextCast& prepared_next_cast() const { return next_targets_; }
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
@@ -223,9 +237,10 @@ class Linear {
   Tensor weight_, bias_, grad_weight_, grad_bias_;
   std::shared_ptr<FP8State> state_;
   std::shared_ptr<const WeightCast> weight_cast_;
-  /// next_weight_cast()'s cast and the optimizer's target for it, until on_weights_updated().
+  /// prepare_next_cast()'s cast and the optimizer's targets in it, until on_weights_updated().
   std::shared_ptr<WeightCast> next_cast_;
-  ops::FusedQuantize next_cast_target_;
+  ops::FusedQuantize next_fp8_target_;
+  NextCast next_targets_;
   int64_t weight_casts_ = 0;
   /// grad_weight_ waits for its overwrite (ZeroGrad::on_next_write): the next wgrad GEMM writes.
   bool grad_weight_unwritten_ = false;

@@ -39,6 +39,11 @@ struct AdamWTensor {
   /// over the FP32 master: on CUDA the row-wise copy is stored with the update and the
   /// transposed copy is made from those bytes.
   const FusedQuantize* cast = nullptr;
+  /// Optional: bf16 of param's shape on its device, set to the updated param rounded to bf16,
+  /// bitwise what ops::cast(param, bf16_copy) would write after the step. A layer's bf16 weight
+  /// and bias copies for its next forward (nn::Linear::next_bf16_copies) then need no cast pass
+  /// and no launch per tensor.
+  Tensor bf16_copy{};
 };
 
 /// The one-tensor adamw_step for every entry of `tensors` (count >= 1, all on norm_sq's device),

@@ -42,6 +42,13 @@ struct Parameter {
   bool weight_decay = true;  ///< false for biases, norms and (tied) embeddings' position table
 };
 
+/// What the optimizer writes with a parameter's update (GPT::next_casts): the fields of
+/// ops::AdamWTensor of the same names.
+struct ParamCast {
+  const ops::FusedQuantize* cast = nullptr;
+  Tensor bf16_copy;
+};
+
 /// One FP8 GEMM module, for statistics and checkpoints. Under fp8 precision the model creates
 /// every module's FP8 state at construction (on the module's device) and registers it, so a
 /// checkpoint can be restored into it before the first step.
@@ -106,12 +113,13 @@ class GPT {
   /// Zeroes the gradients that zero_grad(on_next_write) left for a backward that did not come;
   /// free when every module ran its backward. Call before reading gradients.
   void settle_grads();
-  /// For each of parameters(), in its order, the Linear::next_weight_cast() of a Linear weight
-  /// (nullptr for everything else), for the optimizer to write with its update
-  /// (ops::AdamWTensor::cast); call after the step's last backward.
-  std::vector<const ops::FusedQuantize*> next_weight_casts();
+  /// For each of parameters(), in its order, what the optimizer writes with its update so that
+  /// the next forward casts nothing (nn::Linear::prepare_next_cast: a Linear weight's FP8 cast or
+  /// bf16 copy, a Linear bias's bf16 copy; empty for everything else); call after the step's
+  /// last backward.
+  std::vector<ParamCast> next_casts();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
-  /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_weight_casts().
+  /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_casts().
   void on_weights_updated(nn::PreparedCast prepared = nn::PreparedCast::dropped);
 
  private:

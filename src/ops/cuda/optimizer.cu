@@ -24,8 +24,9 @@ constexpr int kAdamWThreads = 256;
 /// Bytes of parameters one kernel launch may take: 32,764 since CUDA 12.1 on Volta and newer
 /// (CUDA C++ Programming Guide, "Function Parameters"); octet builds for sm_90 with CUDA 13.
 constexpr size_t kMaxKernelParamBytes = 32764;
-/// Tensors per launch of the AdamW kernel: as many as fit in the parameters (73 bytes each with
-/// the FP8 cast's pointers), so GPT-2 1.5B's 580 parameter tensors take two launches.
+/// Tensors per launch of the AdamW kernel: as many as fit in the parameters (81 bytes each with
+/// the FP8 cast's and the bf16 copy's pointers), so GPT-2 1.5B's 580 parameter tensors take two
+/// launches.
 constexpr int kAdamWMaxTensors = 400;
 /// Side of the square tile of the FP8 transpose that makes a cast's transposed copy.
 constexpr int kTransposeTile = 64;
@@ -66,6 +67,8 @@ struct AdamWBatch {
   const float* fp8_scale[kAdamWMaxTensors];
   uint32_t* fp8_amax[kAdamWMaxTensors];
   bool fp8_e5m2[kAdamWMaxTensors];
+  /// The bf16 copy of the updated tensor (AdamWTensor::bf16_copy), or nullptr.
+  uint16_t* bf16[kAdamWMaxTensors];
   int32_t first_chunk[kAdamWMaxTensors + 1];
   int count;
 };
@@ -154,10 +157,28 @@ struct Fp8Chunk {
   }
 };
 
+/// The bf16 copy a chunk writes with its update (nothing when `out` is null), rounded as
+/// ops::cast rounds.
+struct Bf16Chunk {
+  uint16_t* out = nullptr;
+
+  __device__ void put(int64_t i, float value) {
+    if (out != nullptr) out[i] = fp8::encode_bf16(value);
+  }
+  /// Four values at i (a multiple of 4, `out` 8-byte aligned): one 8-byte store.
+  __device__ void put4(int64_t i, const float4& p) {
+    if (out == nullptr) return;
+    const uint2 packed = {fp8::encode_bf16(p.x) | static_cast<uint32_t>(fp8::encode_bf16(p.y)) << 16,
+                          fp8::encode_bf16(p.z) | static_cast<uint32_t>(fp8::encode_bf16(p.w)) << 16};
+    *reinterpret_cast<uint2*>(out + i) = packed;
+  }
+};
+
 /// One CTA per chunk of kAdamWChunk elements of one tensor, so large and small tensors share one
 /// grid. Every thread derives the clip factor from norm_sq itself (a broadcast load), so the host
 /// never waits for the norm. A tensor with a cast also gets its updated values' FP8 codes, and
-/// the CTA raises the cast's amax after every code is stored (DESIGN.md rule 1).
+/// the CTA raises the cast's amax after every code is stored (DESIGN.md rule 1); one with a bf16
+/// copy gets its updated values rounded to bf16.
 __global__ void __launch_bounds__(kAdamWThreads)
     adamw_multi_tensor_kernel(const __grid_constant__ AdamWBatch batch,
                               const float* __restrict__ norm_sq, const AdamWCoefficients c) {
@@ -189,12 +210,16 @@ __global__ void __launch_bounds__(kAdamWThreads)
     cast.format = batch.fp8_e5m2[j] ? __NV_E5M2 : __NV_E4M3;
   }
 
+  Bf16Chunk copy;
+  if (batch.bf16[j] != nullptr) copy.out = batch.bf16[j] + begin;
+
   // float4 accesses when all four tensors are 16-byte aligned (a chunk starts at a multiple of 4
-  // elements, so it is aligned when its tensor is); the order of elements does not matter, since
-  // each is updated on its own.
+  // elements, so it is aligned when its tensor is) and the copy 8-byte aligned; the order of
+  // elements does not matter, since each is updated on its own.
   const uintptr_t addresses = reinterpret_cast<uintptr_t>(param) |
                               reinterpret_cast<uintptr_t>(grad) | reinterpret_cast<uintptr_t>(m) |
-                              reinterpret_cast<uintptr_t>(v);
+                              reinterpret_cast<uintptr_t>(v) |
+                              2 * reinterpret_cast<uintptr_t>(copy.out);
   const int vectors = addresses % alignof(float4) == 0 ? n / 4 : 0;
   for (int i = threadIdx.x; i < vectors; i += kAdamWThreads) {
     float4 p = reinterpret_cast<const float4*>(param)[i];
@@ -205,6 +230,7 @@ __global__ void __launch_bounds__(kAdamWThreads)
     reinterpret_cast<float4*>(m)[i] = mi;
     reinterpret_cast<float4*>(v)[i] = vi;
     cast.put4(4 * static_cast<int64_t>(i), p);
+    copy.put4(4 * static_cast<int64_t>(i), p);
   }
   for (int i = 4 * vectors + threadIdx.x; i < n; i += kAdamWThreads) {
     float p = param[i], mi = m[i], vi = v[i];
@@ -213,6 +239,7 @@ __global__ void __launch_bounds__(kAdamWThreads)
     m[i] = mi;
     v[i] = vi;
     cast.put(i, p);
+    copy.put(i, p);
   }
   if (cast.codes == nullptr || batch.fp8_amax[j] == nullptr) return;  // uniform over the CTA
   __shared__ uint32_t scratch[kAdamWThreads / kWarpSize];
@@ -371,6 +398,7 @@ void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
                                 : nullptr;
         batch.fp8_e5m2[j] = q.dtype == DType::e5m2;
       }
+      if (t.bf16_copy.defined()) batch.bf16[j] = static_cast<uint16_t*>(t.bf16_copy.raw_data());
       const int64_t next_chunk = batch.first_chunk[j] + ceil_div(t.param.numel(), kAdamWChunk);
       OCTET_CHECK(next_chunk <= INT32_MAX, "adamw_step: ", next_chunk,
                   " chunks in one launch exceed the grid limit");
