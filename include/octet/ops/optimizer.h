@@ -35,7 +35,7 @@ struct AdamWTensor {
   /// Optional: the updated param's FP8 cast, written by the same step, bitwise what
   /// ops::quantize(param, *cast->out, cast->args) would write after it: a 2-D param, per-tensor
   /// scaling, the copies cast->out allocated, scale_inv, and cast->args.amax raised (no column
-  /// sums). The next forward's weight cast (nn::Linear::next_weight_cast) then needs no pass
+  /// sums). The next forward's weight cast (nn::Linear::prepare_next_cast) then needs no pass
   /// over the FP32 master: on CUDA the row-wise copy is stored with the update and the
   /// transposed copy is made from those bytes.
   const FusedQuantize* cast = nullptr;
