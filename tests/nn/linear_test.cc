@@ -639,8 +639,8 @@ TEST_P(LinearBackendTest, Bf16CopiesWrittenByTheOptimizerEqualCastingAgain) {
   OCTET_SKIP_IF_UNAVAILABLE(device);
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  Linear adopted(48, 32, true, device, seed, DType::bf16), recast(48, 32, true, device, seed,
-                                                                   DType::bf16);
+  Linear adopted(48, 32, true, device, seed, DType::bf16);
+  Linear recast(48, 32, true, device, seed, DType::bf16);
   const Tensor x = testing::random_tensor({20, 48}, DType::bf16, seed + 1).to(device);
   const Tensor dy = testing::random_tensor({20, 32}, DType::bf16, seed + 2).to(device);
   for (Linear* layer : {&adopted, &recast}) {
@@ -656,7 +656,8 @@ TEST_P(LinearBackendTest, Bf16CopiesWrittenByTheOptimizerEqualCastingAgain) {
   Linear::Saved saved_a, saved_r;
   const Tensor y_a = adopted.forward(x, saved_a), y_r = recast.forward(x, saved_r);
   EXPECT_TRUE(testing::bitwise_equal(y_a, y_r)) << "y";
-  EXPECT_TRUE(testing::bitwise_equal(saved_a.snapshot.weight->dense, saved_r.snapshot.weight->dense))
+  EXPECT_TRUE(
+      testing::bitwise_equal(saved_a.snapshot.weight->dense, saved_r.snapshot.weight->dense))
       << "the bf16 weight";
   EXPECT_TRUE(testing::bitwise_equal(adopted.backward(dy, saved_a), recast.backward(dy, saved_r)))
       << "dx";

@@ -242,7 +242,8 @@ class Linear {
   ops::FusedQuantize next_fp8_target_;
   NextCast next_targets_;
   int64_t weight_casts_ = 0;
-  /// grad_weight_ waits for its overwrite (ZeroGrad::on_next_write): the next wgrad GEMM writes.
+  /// The gradients wait for their overwrite (ZeroGrad::on_next_write): the next wgrad GEMM, and
+  /// the next bias column sums, write instead of adding.
   bool grad_weight_unwritten_ = false;
   bool grad_bias_unwritten_ = false;
 };

@@ -41,7 +41,7 @@ struct AdamWTensor {
   const FusedQuantize* cast = nullptr;
   /// Optional: bf16 of param's shape on its device, set to the updated param rounded to bf16,
   /// bitwise what ops::cast(param, bf16_copy) would write after the step. A layer's bf16 weight
-  /// and bias copies for its next forward (nn::Linear::next_bf16_copies) then need no cast pass
+  /// and bias copies for its next forward (nn::Linear::prepare_next_cast) then need no cast pass
   /// and no launch per tensor.
   Tensor bf16_copy{};
 };
