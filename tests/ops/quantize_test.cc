@@ -10,6 +10,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <string>
 #include <vector>
@@ -595,6 +596,40 @@ TEST_P(CastParity, RoundsToNearestEven) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, CastParity, ::testing::ValuesIn(dtype_cases(true)), dtype_case_name);
+
+// The device rounds f32 to bf16 by the hardware conversion (fp8::encode_bf16, encode_bf16x2), the
+// host by the formula: they must agree on every sign, exponent and kept mantissa (all 2^16 high
+// halves: every NaN and infinity, both parities of the last kept bit), each with the low halves
+// that decide the rounding (zero, just above it, below, at and above the tie, all ones) and two
+// drawn at random. A tail of 8 random floats, shorter than a 16-element run, takes the kernel's
+// scalar path; the rest go by pairs.
+TEST(CastCuda, F32ToBf16EqualsTheHostEncoder) {
+  const Device gpu = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  constexpr uint32_t kRoundingLows[] = {0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF};
+  constexpr int64_t kFixedLows = static_cast<int64_t>(std::size(kRoundingLows));
+  constexpr int64_t kLows = kFixedLows + 2;
+  constexpr int64_t kHighs = int64_t{1} << 16;
+  constexpr int64_t kTail = 8;
+  const int64_t n = kHighs * kLows + kTail;
+  Tensor input = Tensor::empty({n}, DType::f32);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t high = static_cast<uint32_t>(i / kLows), j = static_cast<uint32_t>(i % kLows);
+    input.data<float>()[i] =
+        i >= kHighs * kLows ? ref::from_bits(static_cast<uint32_t>(rng()))
+        : j < kFixedLows    ? ref::from_bits(high << 16 | kRoundingLows[j])
+                            : ref::from_bits(high << 16 | (static_cast<uint32_t>(rng()) & 0xFFFFu));
+  }
+  Tensor expected = Tensor::empty({n}, DType::bf16);
+  for (int64_t i = 0; i < n; ++i)
+    static_cast<uint16_t*>(expected.raw_data())[i] = fp8::encode_bf16(input.data<float>()[i]);
+  const Tensor out = Tensor::empty({n}, DType::bf16, gpu);
+  ops::cast(input.to(gpu), out);
+  EXPECT_TRUE(bitwise_equal(expected, out));
+}
 
 // ----------------------------------------------------------------------------
 // A higher-rank x is quantized as its [rows, cols] matrix view

@@ -4,7 +4,8 @@
 // (__nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...), __float2bfloat16_rn,
 // __nv_cvt_float_to_e8m0(x, __NV_SATFINITE, cudaRoundPosInf)); tests/fp8/format_test.cc proves it
 // over all 2^32 float bit patterns. The functions are host-and-device so the CUDA kernels can run
-// exactly this code where the hardware has no matching instruction.
+// exactly this code where the hardware has no matching instruction; where it has one (bf16), the
+// device uses it.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "octet/core/dtype.h"
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
 #define OCTET_HD __host__ __device__ __forceinline__
 #else
 #define OCTET_HD inline
@@ -121,11 +123,30 @@ OCTET_HD float decode_fp8(uint8_t v, DType dtype) {
   return dtype == DType::e4m3 ? decode_e4m3(v) : decode_e5m2(v);
 }
 
-/// float -> bf16 bits, round-to-nearest-even; NaN -> 0x7FFF (CUDA's canonical NaN).
+/// float -> bf16 bits, round-to-nearest-even; NaN -> 0x7FFF (CUDA's canonical NaN). The device
+/// takes the hardware conversion (cvt.rn.bf16.f32: one instruction for the eight of the formula),
+/// which CastCuda.F32ToBf16EqualsTheHostEncoder checks against the formula on the GPU.
 OCTET_HD uint16_t encode_bf16(float x) {
+#if defined(__CUDA_ARCH__)
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+#else
   const uint32_t bits = float_bits(x);
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+#endif
+}
+
+/// encode_bf16(lo) | encode_bf16(hi) << 16: two bf16 in one word, lo at the lower address. One
+/// cvt.rn.bf16x2.f32 on the device.
+OCTET_HD uint32_t encode_bf16x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);  // .x (lo) is the low half
+  uint32_t word;
+  memcpy(&word, &pair, sizeof(word));
+  return word;
+#else
+  return encode_bf16(lo) | static_cast<uint32_t>(encode_bf16(hi)) << 16;
+#endif
 }
 OCTET_HD float decode_bf16(uint16_t v) { return bits_float(static_cast<uint32_t>(v) << 16); }
 

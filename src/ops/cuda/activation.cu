@@ -222,8 +222,7 @@ struct ActivationTile {
       if (full) {
         float v[kE];
         chunk(gr, gc, p.cols, v);
-#pragma unroll
-        for (int k = 0; k < kE; ++k) o.v[k] = math::from_float<T>(v[k]);
+        o = round_pack<T>(v);
       } else {
         o = edge_chunk(p, gr, gc);
       }

@@ -26,12 +26,10 @@
 // ~350 forward), so ~0.15 ms forward and ~0.7 ms backward per layer: ~40 ms per step of 48 layers
 // against ~120 ms for the model's GEMMs (6 * 1.56e9 params * 8192 tokens = 77 TFLOP at ~650
 // TFLOPS), about a quarter of the step.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <initializer_list>
 
 #include "octet/core/cuda_context.h"
@@ -186,13 +184,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16
                : "memory");
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) is the low half
-  uint32_t bits;
-  memcpy(&bits, &v, sizeof(bits));
-  return bits;
-}
-
 // Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16 with floating
 // point type"), with g = lane / 4 and t = lane % 4:
 // - A (16x16, row-major), 4 words of 2 bf16: {row g, cols 2t..2t+1}, {row g+8, cols 2t..},
@@ -343,10 +334,10 @@ __device__ __forceinline__ void c_to_a(const float (&c)[kN / kMmaN][4],
                                        uint32_t (&a)[kN / kMmaK][4]) {
 #pragma unroll
   for (int kc = 0; kc < kN / kMmaK; ++kc) {
-    a[kc][0] = pack_bf16x2(c[2 * kc][0], c[2 * kc][1]);
-    a[kc][1] = pack_bf16x2(c[2 * kc][2], c[2 * kc][3]);
-    a[kc][2] = pack_bf16x2(c[2 * kc + 1][0], c[2 * kc + 1][1]);
-    a[kc][3] = pack_bf16x2(c[2 * kc + 1][2], c[2 * kc + 1][3]);
+    a[kc][0] = fp8::encode_bf16x2(c[2 * kc][0], c[2 * kc][1]);
+    a[kc][1] = fp8::encode_bf16x2(c[2 * kc][2], c[2 * kc][3]);
+    a[kc][2] = fp8::encode_bf16x2(c[2 * kc + 1][0], c[2 * kc + 1][1]);
+    a[kc][3] = fp8::encode_bf16x2(c[2 * kc + 1][2], c[2 * kc + 1][3]);
   }
 }
 
@@ -361,11 +352,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[kD / kMmaN][4], ui
     const int col = nt * kMmaN + 2 * t;
     if (g < valid) {
       *reinterpret_cast<uint32_t*>(dst + g * stride + col) =
-          pack_bf16x2(acc[nt][0] * mul_lo, acc[nt][1] * mul_lo);
+          fp8::encode_bf16x2(acc[nt][0] * mul_lo, acc[nt][1] * mul_lo);
     }
     if (g + 8 < valid) {
       *reinterpret_cast<uint32_t*>(dst + (g + 8) * stride + col) =
-          pack_bf16x2(acc[nt][2] * mul_hi, acc[nt][3] * mul_hi);
+          fp8::encode_bf16x2(acc[nt][2] * mul_hi, acc[nt][3] * mul_hi);
     }
   }
 }

@@ -169,8 +169,7 @@ __device__ __forceinline__ void store_run(T* p, int64_t count, bool vec, const f
         if constexpr (sizeof(T) == sizeof(float)) {
           w[k] = __float_as_uint(s[k]);
         } else {
-          w[k] = static_cast<uint32_t>(fp8::encode_bf16(s[2 * k])) |
-                 (static_cast<uint32_t>(fp8::encode_bf16(s[2 * k + 1])) << 16);
+          w[k] = fp8::encode_bf16x2(s[2 * k], s[2 * k + 1]);
         }
       }
       reinterpret_cast<uint4*>(p)[i] = make_uint4(w[0], w[1], w[2], w[3]);

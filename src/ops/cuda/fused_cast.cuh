@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 #include "octet/core/device.h"
@@ -99,7 +100,19 @@ __device__ __forceinline__ Pack<uint8_t, kN> encode_pack(const float (&v)[kN], f
                                                          DType dtype) {
   const __nv_fp8_interpretation_t format = dtype == DType::e4m3 ? __NV_E4M3 : __NV_E5M2;
   Pack<uint8_t, kN> q;
-  if constexpr (kN % 2 == 0) {
+  if constexpr (kN % 4 == 0) {  // whole words: no byte inserts
+    uint32_t words[kN / 4];
+#pragma unroll
+    for (int w = 0; w < kN / 4; ++w) {
+      const float* u = v + 4 * w;
+      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(u[0] * scale, u[1] * scale),
+                                                   __NV_SATFINITE, format);
+      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(u[2] * scale, u[3] * scale),
+                                                   __NV_SATFINITE, format);
+      words[w] = lo | hi << 16;
+    }
+    memcpy(&q, words, sizeof(q));
+  } else if constexpr (kN % 2 == 0) {
 #pragma unroll
     for (int k = 0; k < kN; k += 2) {
       const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
@@ -115,6 +128,22 @@ __device__ __forceinline__ Pack<uint8_t, kN> encode_pack(const float (&v)[kN], f
   return q;
 }
 
+/// v rounded to T, as a pack; bf16 pairs take one conversion each (fp8::encode_bf16x2).
+template <typename T, int kN>
+__device__ __forceinline__ Pack<T, kN> round_pack(const float (&v)[kN]) {
+  Pack<T, kN> o;
+  if constexpr (sizeof(T) == sizeof(uint16_t) && kN % 2 == 0) {
+    uint32_t words[kN / 2];
+#pragma unroll
+    for (int k = 0; k < kN / 2; ++k) words[k] = fp8::encode_bf16x2(v[2 * k], v[2 * k + 1]);
+    memcpy(&o, words, sizeof(o));
+  } else {
+#pragma unroll
+    for (int k = 0; k < kN; ++k) o.v[k] = math::from_float<T>(v[k]);
+  }
+  return o;
+}
+
 /// Rounds v to T and stores it at out[i, i + kN) (unless out is nullptr: a kernel that writes
 /// every FP8 copy of an unwanted output); with the cast on, also its FP8 codes at cast.data[i,
 /// ...) (the cast copy has the output's layout), quantizing the value as rounded, exactly as
@@ -122,9 +151,7 @@ __device__ __forceinline__ Pack<uint8_t, kN> encode_pack(const float (&v)[kN], f
 template <typename T, int kN>
 __device__ __forceinline__ Pack<uint8_t, kN> store_output(T* out, int64_t i, const float (&v)[kN],
                                                           CastThread& ct) {
-  Pack<T, kN> o;
-#pragma unroll
-  for (int k = 0; k < kN; ++k) o.v[k] = math::from_float<T>(v[k]);
+  const Pack<T, kN> o = round_pack<T>(v);
   if (out != nullptr) store_pack<kN>(out + i, o);
   Pack<uint8_t, kN> q{};
   if (!ct.cast.enabled()) return q;

@@ -400,9 +400,10 @@ __global__ void norm_backward_kernel(const T* __restrict__ dy, const T* __restri
       }
       if (residual != nullptr) {  // as ops::add would: the rounded gradient plus the residual
         const Pack<float, kN> res = row_pack<T, kN>(residual + r * cols, nullptr, p);
+        const Pack<T, kN> rounded = round_pack<T>(out);
 #pragma unroll
         for (int k = 0; k < kN; ++k)  // __fadd_rn: never contracted with norm_dx's multiply
-          out[k] = __fadd_rn(math::to_float(math::from_float<T>(out[k])), res.v[k]);
+          out[k] = __fadd_rn(math::to_float(rounded.v[k]), res.v[k]);
       }
       store_output<T, kN>(dx, r * cols + p * kN, out, no_cast);
     }

@@ -168,9 +168,7 @@ struct Bf16Chunk {
   /// Four values at i (a multiple of 4, `out` 8-byte aligned): one 8-byte store.
   __device__ void put4(int64_t i, const float4& p) {
     if (out == nullptr) return;
-    const uint2 packed = {
-        fp8::encode_bf16(p.x) | static_cast<uint32_t>(fp8::encode_bf16(p.y)) << 16,
-        fp8::encode_bf16(p.z) | static_cast<uint32_t>(fp8::encode_bf16(p.w)) << 16};
+    const uint2 packed = {fp8::encode_bf16x2(p.x, p.y), fp8::encode_bf16x2(p.z, p.w)};
     *reinterpret_cast<uint2*>(out + i) = packed;
   }
 };
