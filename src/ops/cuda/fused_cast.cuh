@@ -100,26 +100,15 @@ __device__ __forceinline__ Pack<uint8_t, kN> encode_pack(const float (&v)[kN], f
                                                          DType dtype) {
   const __nv_fp8_interpretation_t format = dtype == DType::e4m3 ? __NV_E4M3 : __NV_E5M2;
   Pack<uint8_t, kN> q;
-  if constexpr (kN % 4 == 0) {  // whole words: no byte inserts
-    uint32_t words[kN / 4];
+  if constexpr (kN % 2 == 0) {
+    // Pairs land in the pack as halfwords, so the codes are assembled by whole words.
+    __nv_fp8x2_storage_t pairs[kN / 2];  // .x is the low byte
 #pragma unroll
-    for (int w = 0; w < kN / 4; ++w) {
-      const float* u = v + 4 * w;
-      const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(u[0] * scale, u[1] * scale),
-                                                   __NV_SATFINITE, format);
-      const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(u[2] * scale, u[3] * scale),
-                                                   __NV_SATFINITE, format);
-      words[w] = lo | hi << 16;
+    for (int k = 0; k < kN / 2; ++k) {
+      pairs[k] = __nv_cvt_float2_to_fp8x2(make_float2(v[2 * k] * scale, v[2 * k + 1] * scale),
+                                          __NV_SATFINITE, format);
     }
-    memcpy(&q, words, sizeof(q));
-  } else if constexpr (kN % 2 == 0) {
-#pragma unroll
-    for (int k = 0; k < kN; k += 2) {
-      const __nv_fp8x2_storage_t pair = __nv_cvt_float2_to_fp8x2(
-          make_float2(v[k] * scale, v[k + 1] * scale), __NV_SATFINITE, format);
-      q.v[k] = static_cast<uint8_t>(pair & 0xFFu);  // .x is the low byte
-      q.v[k + 1] = static_cast<uint8_t>(pair >> 8);
-    }
+    memcpy(&q, pairs, sizeof(q));
   } else {
 #pragma unroll
     for (int k = 0; k < kN; ++k)
