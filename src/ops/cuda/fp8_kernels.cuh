@@ -143,6 +143,13 @@ __device__ __forceinline__ void for_each_run(const T* x, int64_t n, bool vec, F&
   }
 }
 
+/// p[0], p[stride], p[2 stride], p[3 stride] as one word, p[0] the low byte: four rows of one
+/// column of a byte tile in shared memory, which an FP8 transpose stores as consecutive bytes.
+__device__ __forceinline__ uint32_t gather_column_word(const uint8_t* p, int64_t stride) {
+  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[stride]) << 8 |
+         static_cast<uint32_t>(p[2 * stride]) << 16 | static_cast<uint32_t>(p[3 * stride]) << 24;
+}
+
 /// Stores a 16-byte FP8 run (see quantize_run).
 __device__ __forceinline__ void store_fp8_run(uint8_t* p, int64_t count, bool vec, const uint4& q) {
   if (vec && count >= kRunElems) {

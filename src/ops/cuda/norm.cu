@@ -27,6 +27,7 @@
 
 #include "octet/core/cuda_context.h"
 #include "ops/activation_math.h"
+#include "ops/cuda/fp8_kernels.cuh"
 #include "ops/cuda/fused_cast.cuh"
 #include "ops/norm_backend.h"
 
@@ -129,10 +130,7 @@ __device__ __forceinline__ void store_transposed_tile(const uint8_t* stage, uint
 #pragma unroll
       for (int q = 0; q < kTransposeTileRows / 4; ++q) {
         // Consecutive threads read consecutive bytes of one tile row: no bank conflicts.
-        word[q] = static_cast<uint32_t>(stage[(4 * q) * cols + c]) |
-                  static_cast<uint32_t>(stage[(4 * q + 1) * cols + c]) << 8 |
-                  static_cast<uint32_t>(stage[(4 * q + 2) * cols + c]) << 16 |
-                  static_cast<uint32_t>(stage[(4 * q + 3) * cols + c]) << 24;
+        word[q] = quant::gather_column_word(stage + (4 * q) * cols + c, cols);
       }
       reinterpret_cast<uint4*>(dst)[0] = make_uint4(word[0], word[1], word[2], word[3]);
       reinterpret_cast<uint4*>(dst)[1] = make_uint4(word[4], word[5], word[6], word[7]);

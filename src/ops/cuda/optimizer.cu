@@ -278,10 +278,7 @@ __global__ void __launch_bounds__(kTransposeThreads)
     uint32_t word[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      word[q] = static_cast<uint32_t>(tile[seg * 16 + 4 * q][line]) |
-                static_cast<uint32_t>(tile[seg * 16 + 4 * q + 1][line]) << 8 |
-                static_cast<uint32_t>(tile[seg * 16 + 4 * q + 2][line]) << 16 |
-                static_cast<uint32_t>(tile[seg * 16 + 4 * q + 3][line]) << 24;
+      word[q] = quant::gather_column_word(&tile[seg * 16 + 4 * q][line], sizeof(tile[0]));
     }
     if (vec_out) {
       *reinterpret_cast<uint4*>(out + r * rows + c) =
