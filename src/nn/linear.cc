@@ -6,6 +6,7 @@
 
 #include "octet/fp8/format.h"
 #include "octet/nn/autocast.h"
+#include "octet/nn/fusion.h"
 #include "octet/ops/gemm.h"
 #include "octet/ops/quantize.h"
 #include "octet/ops/reduce.h"
@@ -170,6 +171,7 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
     }
     cast->q = quantize_for(weight_, *recipe, TensorRole::weight, scale,
                            inference ? Tensor() : state_->amax_slot(TensorRole::weight));
+    cast->scale = scale;
   } else {
     cast->dense = in_dtype(weight_, key.dtype);
   }
@@ -189,13 +191,14 @@ const Linear::NextCast& Linear::prepare_next_cast() {
   cast->key = key;
   if (key.fp8) {
     if (state_ == nullptr || key.kind != fp8::RecipeKind::delayed ||
-        key.mode != fp8::ScalingMode::per_tensor)
+        key.mode != fp8::ScalingMode::per_tensor || !fusion_enabled(Fusion::optimizer_cast))
       return next_targets_;
     cast->q = fp8::QuantizedTensor::allocate(
         out_, in_, key.dtype, key.mode, fp8::Usage{.rowwise = true, .columnwise = true}, device_);
     next_fp8_target_ = ops::FusedQuantize{};
     next_fp8_target_.out = &cast->q;
     next_fp8_target_.args.scale = state_->scale(TensorRole::weight);
+    cast->scale = next_fp8_target_.args.scale;
     next_fp8_target_.args.amax = state_->amax_slot(TensorRole::weight);
     next_targets_.weight_fp8 = &next_fp8_target_;
   } else if (key.dtype == DType::bf16) {
@@ -411,11 +414,15 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
     scale = Tensor::empty({1}, DType::f32, device_);
     current_scale(dy, recipe, TensorRole::grad_output, scale);
   }
-  const fp8::QuantizedTensor dy_q =
-      quantize_for(dy, recipe, TensorRole::grad_output, scale,
-                   state_->amax_slot(TensorRole::grad_output), /*rowwise_only=*/false, grad_bias_,
-                   bias_grad_accumulates());
+  // The bias gradient rides on the cast (Fusion::bias_grad), or is summed by its own pass.
+  const bool fused_bias = grad_bias_.defined() && fusion_enabled(Fusion::bias_grad);
+  if (grad_bias_.defined() && !fused_bias) ops::sum_rows(dy, grad_bias_, bias_grad_accumulates());
+  const fp8::QuantizedTensor dy_q = quantize_for(
+      dy, recipe, TensorRole::grad_output, scale, state_->amax_slot(TensorRole::grad_output),
+      /*rowwise_only=*/false, fused_bias ? grad_bias_ : Tensor(),
+      fused_bias ? bias_grad_accumulates() : true);
   state_->mark_recorded(Pass::backward);
+  if (grad_stats_ != nullptr) *grad_stats_ = measure_cast(dy, dy_q.data, scale);
   backward_gemms_fp8(dy_q, dx, saved);
 }
 
@@ -423,6 +430,9 @@ std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const 
                                                             fp8::QuantizedTensor& dy_q) {
   const Snapshot& snap = saved.snapshot;
   if (!snap.fp8 || snap.recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
+  // The fused producer sums the bias gradient too, which Fusion::bias_grad may have switched off.
+  if (grad_bias_.defined() && !fusion_enabled(Fusion::bias_grad)) return std::nullopt;
+  if (grad_stats_ != nullptr) return std::nullopt;  // the statistics need the unfused dy
   OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
               "Linear::fused_grad_output: the FP8 state of the forward's recipe ",
               snap.recipe.name(), " is gone");

@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "octet/nn/fusion.h"
 #include "octet/ops/norm.h"
 
 namespace octet::nn {
@@ -160,7 +161,10 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Linea
                     const Tensor& residual) {
   saved.hidden = fc1_.forward(x, saved.fc1, mode);
   after_linear(observer, mode, LinearSlot::fc1, x, saved.fc1);
-  const auto fused = fc2_.fused_input(saved.hidden.rows(), saved.hidden.dtype(), saved.fc2, mode);
+  const auto fused =
+      fusion_enabled(Fusion::activation_cast)
+          ? fc2_.fused_input(saved.hidden.rows(), saved.hidden.dtype(), saved.fc2, mode)
+          : std::nullopt;
   // With fc2's input cast fused, the activation's high-precision output is needed only by an
   // observer (the FP8 statistics); otherwise it is never written.
   const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
@@ -181,7 +185,10 @@ Tensor MLP::backward(const Tensor& dy, const Saved& saved) {
   const Tensor dact = fc2_.backward(dy, saved.fc2);
   // The activation's backward writes fc1's FP8 grad_output (and its bias gradient) directly.
   fp8::QuantizedTensor dhidden_q;
-  if (const auto fused = fc1_.fused_grad_output(saved.hidden.rows(), saved.fc1, dhidden_q)) {
+  const auto fused = fusion_enabled(Fusion::activation_grad_cast)
+                         ? fc1_.fused_grad_output(saved.hidden.rows(), saved.fc1, dhidden_q)
+                         : std::nullopt;
+  if (fused) {
     ops::activation_backward(activation_, dact, saved.hidden, Tensor(), &*fused);
     return fc1_.backward(dhidden_q, saved.fc1);
   }
@@ -225,13 +232,18 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   // The norms write the FP8 inputs of qkv and fc1 in the same kernel when those can take them;
   // their high-precision outputs are then needed only by an observer (the FP8 statistics).
   const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
-  const auto fused_qkv = attn_.qkv().fused_input(x.rows(), x.dtype(), saved.attn.qkv, mode);
+  const bool norm_cast = fusion_enabled(Fusion::norm_cast);
+  const auto fused_qkv = norm_cast
+                             ? attn_.qkv().fused_input(x.rows(), x.dtype(), saved.attn.qkv, mode)
+                             : std::nullopt;
   const Tensor h1 =
       norm1_.forward(x, saved.norm1, fused_qkv ? &*fused_qkv : nullptr, !fused_qkv || observed);
   // The residual adds ride in proj's and fc2's GEMM epilogues: r = x + attn(h1), y = r + mlp(h2).
   saved.residual = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer,
                                  /*residual=*/x);
-  const auto fused_fc1 = mlp_.fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode);
+  const auto fused_fc1 = norm_cast
+                             ? mlp_.fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode)
+                             : std::nullopt;
   const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr,
                                    !fused_fc1 || observed);
   Tensor y = mlp_.forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);
