@@ -1,6 +1,7 @@
 #include "octet/train/model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -118,30 +119,6 @@ float mean_loss(const Tensor& losses, int64_t counted) {
   return static_cast<float>(total / static_cast<double>(counted));
 }
 
-/// Quantization health of one FP8 Linear's input and its row-wise FP8 codes, counted on the
-/// input's device (block recipes quantize the row-wise copy in the input's own layout, so code i
-/// belongs to element i for every recipe); only the four results cross to the host.
-Fp8InputStats measure_input(const std::string& name, const Tensor& input,
-                            const nn::Linear::Saved& saved) {
-  Fp8InputStats stats;
-  stats.name = name;
-  const Device& device = input.device();
-  Tensor amax = Tensor::zeros({1}, DType::f32, device);
-  Tensor counts = Tensor::zeros({3}, DType::i64, device);
-  ops::amax(input, amax);
-  ops::count_fp8_codes(input, saved.input_q.data, counts);
-  const Tensor host_counts = counts.to(Device::cpu());
-  const int64_t* c = host_counts.data<int64_t>();
-  const auto fraction = [](int64_t part, int64_t whole) {
-    return whole == 0 ? 0.0 : static_cast<double>(part) / static_cast<double>(whole);
-  };
-  stats.amax = item_f32(amax);
-  if (saved.snapshot.input_scale.defined()) stats.scale = item_f32(saved.snapshot.input_scale);
-  stats.saturated_fraction = fraction(c[ops::kSaturatedCodes], input.numel());
-  stats.underflow_fraction = fraction(c[ops::kUnderflowCodes], c[ops::kNonzeroInputs]);
-  return stats;
-}
-
 /// The config, after validate() (which throws naming the offending fields).
 ModelConfig validated(const ModelConfig& config) {
   config.validate();
@@ -207,7 +184,8 @@ struct GPT::Impl {
   /// next_casts()' target for the next step's head_cast, written by the optimizer.
   Tensor next_head_cast;
   bool collect_stats = false;
-  std::vector<Fp8InputStats> stats;
+  /// Per block, per LinearSlot: the statistics of the last microbatch that collected them.
+  std::vector<std::array<Fp8LayerStats, nn::kBlockLinears>> stats;
 
   Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute);
 
@@ -230,8 +208,11 @@ struct GPT::Impl {
   Tensor head_forward(const Tensor& x);
   /// dx of the head from dlogits; accumulates the head weight's gradient.
   Tensor head_backward(const Tensor& dlogits, const Tensor& x);
-  /// Observers that record Fp8InputStats for each block's Linear layers into `stats`.
+  /// Observers that measure each block's Linear inputs and weights into `stats`.
   std::vector<nn::LinearObserver> stats_observers();
+  /// Points (or, with false, stops pointing) every FP8 Linear's grad_output measurement at
+  /// `stats`.
+  void measure_gradients(bool on);
 };
 
 GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed,
@@ -390,16 +371,27 @@ Tensor GPT::Impl::head_backward(const Tensor& dlogits, const Tensor& x) {
 }
 
 std::vector<nn::LinearObserver> GPT::Impl::stats_observers() {
-  stats.clear();
+  stats.assign(blocks.size(), {});
   std::vector<nn::LinearObserver> observers;
   for (size_t l = 0; l < blocks.size(); ++l) {
     observers.emplace_back(
         [this, l](LinearSlot slot, const Tensor& input, const nn::Linear::Saved& saved) {
-          if (saved.snapshot.fp8)
-            stats.push_back(measure_input(module_name(l, slot), input, saved));
+          if (!saved.snapshot.fp8) return;
+          Fp8LayerStats& s = stats[l][static_cast<int>(slot)];
+          s.name = module_name(l, slot);
+          s.input = nn::measure_cast(input, saved.input_q.data, saved.snapshot.input_scale);
+          const nn::WeightCast& w = *saved.snapshot.weight;
+          s.weight = nn::measure_cast(blocks[l].linear(slot).weight(), w.q.data, w.scale);
         });
   }
   return observers;
+}
+
+void GPT::Impl::measure_gradients(bool on) {
+  for (size_t l = 0; l < blocks.size(); ++l)
+    for (int slot = 0; slot < nn::kBlockLinears; ++slot)
+      blocks[l].linear(static_cast<LinearSlot>(slot))
+          .measure_grad_output(on ? &stats[l][slot].grad_output : nullptr);
 }
 
 GPT::GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
@@ -434,11 +426,14 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
     ops::cross_entropy(logits, targets_d, losses, dlogits, scale);
   });
 
+  const bool measure = m.collect_stats && m.fp8;
+  if (measure) m.measure_gradients(true);
   Tensor dx = m.head_backward(dlogits, xf);
   dlogits = Tensor();
   dx = m.final_norm.backward(dx, norm_saved);
   for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l]);
   ops::embedding_backward(ids_d, dx, seq, m.grad_wte, m.grad_wpe);
+  if (measure) m.measure_gradients(false);
   if (m.fp8) m.registry.finalize_backward();
   return mean_loss(losses, counted);
 }
@@ -511,7 +506,13 @@ nn::AmaxRegistry& GPT::registry() { return impl_->registry; }
 
 void GPT::set_collect_fp8_stats(bool on) { impl_->collect_stats = on; }
 
-std::vector<Fp8InputStats> GPT::fp8_input_stats() const { return impl_->stats; }
+std::vector<Fp8LayerStats> GPT::fp8_layer_stats() const {
+  std::vector<Fp8LayerStats> out;
+  for (const auto& block : impl_->stats)
+    for (const Fp8LayerStats& s : block)
+      if (s.input.measured) out.push_back(s);
+  return out;
+}
 
 void GPT::zero_grad(nn::ZeroGrad how) {
   Impl& m = *impl_;

@@ -459,11 +459,26 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GPTLogitsTest,
                          [](const auto& info) { return test_name(info.param); });
 
 // ----------------------------------------------------------------------------
-// FP8 input statistics
+// FP8 statistics: input, weight and gradient of every module
+
+/// max |x| of a host copy of x.
+float host_amax(const Tensor& x) {
+  float m = 0.0f;
+  for (float v : host_values_f32(x)) m = std::max(m, std::fabs(v));
+  return m;
+}
+
+void expect_fractions(const nn::CastStats& c) {
+  EXPECT_TRUE(c.measured);
+  EXPECT_GE(c.saturated_fraction, 0.0);
+  EXPECT_LE(c.saturated_fraction, 1.0);
+  EXPECT_GE(c.underflow_fraction, 0.0);
+  EXPECT_LE(c.underflow_fraction, 1.0);
+}
 
 class GPTFp8StatsTest : public ::testing::TestWithParam<std::string> {};
 
-TEST_P(GPTFp8StatsTest, StatisticsDescribeEachModuleInputWhenAskedFor) {
+TEST_P(GPTFp8StatsTest, StatisticsDescribeEachModuleCastWhenAskedFor) {
   const std::string precision = GetParam();
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -471,38 +486,50 @@ TEST_P(GPTFp8StatsTest, StatisticsDescribeEachModuleInputWhenAskedFor) {
   const Tensor ids = random_tokens(kRows, 32, seed + 1);
   const Tensor targets = random_tokens(kRows, 32, seed + 2);
   model.train_microbatch(ids, targets, kBatch, kSeq, 1.0f);
-  EXPECT_TRUE(model.fp8_input_stats().empty()) << "nothing is measured unless asked for";
+  EXPECT_TRUE(model.fp8_layer_stats().empty()) << "nothing is measured unless asked for";
 
   model.set_collect_fp8_stats(true);
   model.train_microbatch(ids, targets, kBatch, kSeq, 1.0f);
-  const std::vector<Fp8InputStats> stats = model.fp8_input_stats();
+  const std::vector<Fp8LayerStats> stats = model.fp8_layer_stats();
   const std::vector<Fp8Module> modules = model.fp8_modules();
   ASSERT_EQ(stats.size(), modules.size());
   const fp8::Recipe recipe = model.precision().recipe;
   for (size_t i = 0; i < stats.size(); ++i) {
     SCOPED_TRACE(modules[i].name);
-    EXPECT_EQ(stats[i].name, modules[i].name);
-    // The finalize kept the input amax that this microbatch recorded.
-    EXPECT_EQ(stats[i].amax, item_f32(modules[i].state->last_amax(fp8::TensorRole::input)));
-    EXPECT_GT(stats[i].amax, 0.0f);
+    const Fp8LayerStats& s = stats[i];
+    EXPECT_EQ(s.name, modules[i].name);
+    for (const nn::CastStats* c : {&s.input, &s.weight, &s.grad_output}) expect_fractions(*c);
+    // The finalizes kept the amaxes that this microbatch recorded.
+    EXPECT_EQ(s.input.amax, item_f32(modules[i].state->last_amax(fp8::TensorRole::input)));
+    EXPECT_EQ(s.grad_output.amax,
+              item_f32(modules[i].state->last_amax(fp8::TensorRole::grad_output)));
+    EXPECT_EQ(s.weight.amax, host_amax(modules[i].linear->weight()));
+    EXPECT_GT(s.input.amax, 0.0f);
+    EXPECT_GT(s.grad_output.amax, 0.0f);
     if (recipe.kind == fp8::RecipeKind::current) {
-      EXPECT_NEAR(stats[i].scale, fp8::kE4M3Max / stats[i].amax, 1e-6 * stats[i].scale);
+      EXPECT_NEAR(s.input.scale, fp8::kE4M3Max / s.input.amax, 1e-6 * s.input.scale);
+      EXPECT_NEAR(s.weight.scale, fp8::kE4M3Max / s.weight.amax, 1e-6 * s.weight.scale);
+      EXPECT_NEAR(s.grad_output.scale, fp8::kE5M2Max / s.grad_output.amax,
+                  1e-6 * s.grad_output.scale);
     } else if (recipe.kind == fp8::RecipeKind::delayed) {
-      EXPECT_GT(stats[i].scale, 1.0f) << "the second step uses the scale learned in the first";
+      EXPECT_GT(s.input.scale, 1.0f) << "the second forward uses the scale learned in the first";
+      EXPECT_GT(s.grad_output.scale, 1.0f) << "likewise the second backward";
+      EXPECT_EQ(s.weight.scale, 1.0f) << "the weight cast of the step's first microbatch";
     } else {
-      EXPECT_EQ(stats[i].scale, 0.0f) << "block recipes have no per-tensor scale";
+      EXPECT_EQ(s.input.scale, 0.0f) << "block recipes have no per-tensor scale";
+      EXPECT_EQ(s.weight.scale, 0.0f);
+      EXPECT_EQ(s.grad_output.scale, 0.0f);
     }
-    EXPECT_GE(stats[i].saturated_fraction, 0.0);
-    EXPECT_LE(stats[i].saturated_fraction, 1.0);
-    EXPECT_GE(stats[i].underflow_fraction, 0.0);
-    EXPECT_LE(stats[i].underflow_fraction, 1.0);
   }
   // Off again: the statistics stay those of the last microbatch that measured them.
   model.set_collect_fp8_stats(false);
   model.train_microbatch(random_tokens(kRows, 32, seed + 5), targets, kBatch, kSeq, 1.0f);
-  const std::vector<Fp8InputStats> kept = model.fp8_input_stats();
+  const std::vector<Fp8LayerStats> kept = model.fp8_layer_stats();
   ASSERT_EQ(kept.size(), stats.size());
-  for (size_t i = 0; i < kept.size(); ++i) EXPECT_EQ(kept[i].amax, stats[i].amax);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    EXPECT_EQ(kept[i].input.amax, stats[i].input.amax);
+    EXPECT_EQ(kept[i].grad_output.amax, stats[i].grad_output.amax);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Recipes, GPTFp8StatsTest,
@@ -517,24 +544,39 @@ TEST(GPTFp8Stats, SaturationAndUnderflowAreCountedFromTheCodes) {
   GPT model(micro(Arch::gpt2, 1), Precision::from_name("fp8-delayed"), Device::cpu(), seed, false);
   // gamma = 1e3 on norm1 saturates the qkv input wherever |x_hat| > 0.448 (about 65% of a
   // normalized row); gamma = 1e-4 on norm2 underflows the fc1 input wherever |x_hat| < 9.8, i.e.
-  // everywhere (|x_hat| <= sqrt(dim - 1) = 5.6).
+  // everywhere (|x_hat| <= sqrt(dim - 1) = 5.6). fc2's weight scaled by 1e5 saturates E4M3
+  // wherever |w| > 448e-5 (its init is N(0, 0.02 / sqrt(2)): about 75% of it).
   for (const Parameter& p : model.parameters()) {
     if (p.name == "blocks.0.norm1.gamma")
       Tensor(p.value).copy_from(Tensor::from_vector(std::vector<float>(32, 1e3f), {32}));
     if (p.name == "blocks.0.norm2.gamma")
       Tensor(p.value).copy_from(Tensor::from_vector(std::vector<float>(32, 1e-4f), {32}));
+    if (p.name == "blocks.0.mlp.fc2.weight") {
+      std::vector<float> w = host_values_f32(p.value);
+      for (float& v : w) v *= 1e5f;
+      Tensor(p.value).copy_from(Tensor::from_vector(w, p.value.shape()));
+    }
   }
+  // The first backward casts at scale 1 too; E5M2's smallest subnormal is 2^-16, so the codes
+  // of the residual stream's gradients (fc2's and proj's grad_output), scaled by 2^-20
+  // (grad_scale), underflow nearly everywhere.
   model.set_collect_fp8_stats(true);
   model.train_microbatch(random_tokens(kRows, 32, seed + 1), random_tokens(kRows, 32, seed + 2),
-                         kBatch, kSeq, 1.0f);
-  const std::vector<Fp8InputStats> stats = model.fp8_input_stats();
+                         kBatch, kSeq, std::ldexp(1.0f, -20));
+  const std::vector<Fp8LayerStats> stats = model.fp8_layer_stats();
   ASSERT_EQ(stats.size(), 4u);
+  for (const Fp8LayerStats& s : stats) EXPECT_EQ(s.grad_output.scale, 1.0f) << s.name;
+  EXPECT_GT(stats[1].grad_output.underflow_fraction, 0.9) << stats[1].name;
+  EXPECT_GT(stats[3].grad_output.underflow_fraction, 0.9) << stats[3].name;
   EXPECT_EQ(stats[0].name, "blocks.0.attn.qkv");
-  EXPECT_GT(stats[0].saturated_fraction, 0.3);
-  EXPECT_LT(stats[0].underflow_fraction, 0.01);
+  EXPECT_GT(stats[0].input.saturated_fraction, 0.3);
+  EXPECT_LT(stats[0].input.underflow_fraction, 0.01);
   EXPECT_EQ(stats[2].name, "blocks.0.mlp.fc1");
-  EXPECT_EQ(stats[2].saturated_fraction, 0.0);
-  EXPECT_GT(stats[2].underflow_fraction, 0.9);
+  EXPECT_EQ(stats[2].input.saturated_fraction, 0.0);
+  EXPECT_GT(stats[2].input.underflow_fraction, 0.9);
+  EXPECT_EQ(stats[3].name, "blocks.0.mlp.fc2");
+  EXPECT_GT(stats[3].weight.saturated_fraction, 0.5);
+  EXPECT_EQ(stats[0].weight.saturated_fraction, 0.0) << "qkv's weight keeps its init";
 }
 
 // ----------------------------------------------------------------------------

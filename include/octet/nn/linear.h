@@ -9,6 +9,7 @@
 #include "octet/core/tensor.h"
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/fp8/recipe.h"
+#include "octet/nn/cast_stats.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/ops/gemm.h"
 #include "octet/ops/norm.h"
@@ -38,6 +39,8 @@ struct WeightCast {
   };
   Key key;
   fp8::QuantizedTensor q;  ///< FP8: [out, in] row-wise and [in, out] transposed (for dgrad)
+  /// FP8 per-tensor recipes: the scale q was cast with (f32[1]; statistics). Undefined otherwise.
+  Tensor scale;
   Tensor dense;            ///< high precision: [out, in] in the compute dtype (f32: the master)
   /// The bias rounded to bf16, for bf16 outputs: cuBLASLt fuses a bias into a bf16-output GEMM
   /// (FP8 ones included) only when the bias is bf16 too; otherwise a second pass over the output
@@ -176,6 +179,11 @@ class Linear {
   /// calls on_weights_updated(PreparedCast::written); a next forward in another format casts
   /// again.
   const NextCast& prepare_next_cast();
+  /// While `out` is set, every FP8 backward measures its grad_output cast into *out (the FP8
+  /// statistics); fused_grad_output() then declines, since the fused producer never writes the
+  /// high-precision gradient (the unfused path gives bitwise the same result). nullptr stops.
+  void measure_grad_output(CastStats* out) { grad_stats_ = out; }
+
   /// What the last prepare_next_cast() returned (empty after on_weights_updated()).
   const NextCast& prepared_next_cast() const { return next_targets_; }
 
@@ -245,6 +253,7 @@ class Linear {
   /// The gradients wait for their overwrite (ZeroGrad::on_next_write): the next wgrad GEMM, and
   /// the next bias column sums, write instead of adding.
   bool grad_weight_unwritten_ = false;
+  CastStats* grad_stats_ = nullptr;  ///< measure_grad_output()
   bool grad_bias_unwritten_ = false;
 };
 

@@ -58,13 +58,11 @@ struct Fp8Module {
   std::shared_ptr<nn::FP8State> state;
 };
 
-/// Quantization health of one FP8 module's input at the last statistics step.
-struct Fp8InputStats {
+/// Quantization health of one FP8 module at the last statistics step: what each of its three
+/// casts (nn::CastStats) did to the input, the weight and the gradient (grad_output).
+struct Fp8LayerStats {
   std::string name;
-  float amax = 0;                 ///< max |x| of the input
-  float scale = 0;                ///< the per-tensor scale used (block recipes: 0, per block)
-  double saturated_fraction = 0;  ///< elements quantized to +-fp8_max
-  double underflow_fraction = 0;  ///< non-zero elements quantized to 0
+  nn::CastStats input, weight, grad_output;
 };
 
 class GPT {
@@ -100,11 +98,12 @@ class GPT {
   std::vector<Fp8Module> fp8_modules() const;
   nn::AmaxRegistry& registry();
 
-  /// When on, the next train_microbatch also measures Fp8InputStats for every FP8 module
-  /// (it copies the inputs to the host: use it every N steps, not every step).
+  /// When on, the next train_microbatch also measures Fp8LayerStats for every FP8 module (a few
+  /// extra passes and host reads per module: use it every N steps, not every step). It changes
+  /// no result: the measured gradients take unfused paths, which are bitwise the fused ones.
   void set_collect_fp8_stats(bool on);
-  /// The statistics of the last microbatch that collected them.
-  std::vector<Fp8InputStats> fp8_input_stats() const;
+  /// The statistics of the last microbatch that collected them, in fp8_modules() order.
+  std::vector<Fp8LayerStats> fp8_layer_stats() const;
 
   /// Zeroes every gradient; `how` applies to the blocks' Linear and norm gradients and the final
   /// norm's (nn::ZeroGrad: on_next_write skips their zeroing; call settle_grads() before reading
