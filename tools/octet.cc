@@ -22,6 +22,18 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--precision", o.precision,
                   "fp8-delayed, fp8-current, fp8-block, fp8-mxfp8, bf16 or fp32")
       ->capture_default_str();
+  cmd->add_option("--amax-history", o.amax_history,
+                  "fp8-delayed: amax history rows (TE amax_history_len; default 1024)");
+  cmd->add_option("--amax-algo", o.amax_algo,
+                  "fp8-delayed: max or most_recent (TE amax_compute_algo; default max)");
+  cmd->add_option("--margin", o.margin, "fp8-delayed: scales divided by 2^M (TE margin; default 0)");
+  cmd->add_option("--fp8-format", o.fp8_format,
+                  "fp8-delayed/-current: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (TE "
+                  "fp8_format; default hybrid)");
+  cmd->add_option("--unfuse", o.unfuse,
+                  "switch fused casts off: all, or a comma list of norm-cast, activation-cast, "
+                  "activation-grad-cast, bias-grad, optimizer-cast (bitwise the same results; to "
+                  "bisect a numerical difference)");
   cmd->add_option("--model", o.model,
                   "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b or llama-1b (default: tiny on CPU, "
                   "gpt2-124m on GPU)");

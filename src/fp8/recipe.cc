@@ -115,6 +115,45 @@ std::string Recipe::name() const {
   OCTET_ERROR("unknown recipe kind code ", static_cast<int>(kind));
 }
 
+std::string Recipe::describe() const {
+  std::string out(format_name(format));
+  switch (kind) {
+    case RecipeKind::delayed:
+      out += ", amax history " + std::to_string(amax_history_len) + " (" +
+             std::string(amax_algo_name(amax_compute_algo)) + "), margin " +
+             std::to_string(margin);
+      break;
+    case RecipeKind::current:
+    case RecipeKind::block:
+      if (power_of_2_scales) out += ", power-of-2 scales";
+      break;
+    case RecipeKind::mxfp8:
+      break;
+  }
+  return out;
+}
+
+std::string_view format_name(Fp8Format format) {
+  return format == Fp8Format::e4m3 ? "e4m3" : "hybrid";
+}
+
+Fp8Format format_from_name(std::string_view name) {
+  if (name == "e4m3") return Fp8Format::e4m3;
+  if (name == "hybrid") return Fp8Format::hybrid;
+  OCTET_ERROR("unknown FP8 format '", name,
+              "'; expected hybrid (E4M3 forward, E5M2 gradients) or e4m3 (E4M3 everywhere)");
+}
+
+std::string_view amax_algo_name(AmaxAlgo algo) {
+  return algo == AmaxAlgo::max ? "max" : "most_recent";
+}
+
+AmaxAlgo amax_algo_from_name(std::string_view name) {
+  if (name == "max") return AmaxAlgo::max;
+  if (name == "most_recent") return AmaxAlgo::most_recent;
+  OCTET_ERROR("unknown amax algorithm '", name, "'; expected max or most_recent");
+}
+
 Recipe recipe_from_name(std::string_view name) {
   for (const auto& k : kKindNames) {
     if (k.name != name) continue;

@@ -17,6 +17,7 @@
 #include "octet/core/error.h"
 #include "octet/core/profiler.h"
 #include "octet/nn/fp8_state.h"
+#include "octet/nn/fusion.h"
 #include "octet/ops/optimizer.h"
 #include "octet/train/data.h"
 #include "octet/train/metrics.h"
@@ -217,19 +218,21 @@ void print_arithmetic_skill(GPT& model) {
       100.0 * static_cast<double>(right) / static_cast<double>(std::max<int64_t>(chars, 1)));
 }
 
+json cast_json(const nn::CastStats& c) {
+  return json{{"amax", c.amax},
+              {"scale", c.scale},
+              {"saturated", c.saturated_fraction},
+              {"underflow", c.underflow_fraction}};
+}
+
+/// Per FP8 module: what each of its casts did (input, weight, grad_output: amax, the scale used,
+/// saturated and underflowed fractions).
 json fp8_statistics(GPT& model) {
   json stats = json::object();
-  for (const Fp8InputStats& s : model.fp8_input_stats()) {
-    stats[s.name] = json{{"input_amax", s.amax},
-                         {"input_scale", s.scale},
-                         {"saturated", s.saturated_fraction},
-                         {"underflow", s.underflow_fraction}};
-  }
-  for (const Fp8Module& m : model.fp8_modules()) {
-    const float weight_amax = item_f32(m.state->last_amax(fp8::TensorRole::weight));
-    const float grad_amax = item_f32(m.state->last_amax(fp8::TensorRole::grad_output));
-    stats[m.name]["weight_amax"] = weight_amax;
-    stats[m.name]["grad_output_amax"] = grad_amax;
+  for (const Fp8LayerStats& s : model.fp8_layer_stats()) {
+    json layer{{"input", cast_json(s.input)}, {"weight", cast_json(s.weight)}};
+    if (s.grad_output.measured) layer["grad_output"] = cast_json(s.grad_output);
+    stats[s.name] = std::move(layer);
   }
   return stats;
 }
@@ -252,6 +255,7 @@ std::map<std::string, std::string> run_metadata(const TrainOptions& o, const Mod
                                                 int64_t step) {
   return {{"config", config_json(config).dump()},
           {"precision", p.name()},
+          {"recipe", p.kind == Precision::Kind::fp8 ? p.recipe.describe() : ""},
           {"step", std::to_string(step)},
           {"seed", std::to_string(o.seed)},
           {"data", o.data},
@@ -265,13 +269,22 @@ std::map<std::string, std::string> run_metadata(const TrainOptions& o, const Mod
           {"grad_clip", format_double(o.grad_clip)}};
 }
 
+/// The recipe description of `precision`'s defaults ("" for bf16 and fp32).
+std::string default_recipe_description(const std::string& precision) {
+  const Precision p = Precision::from_name(precision);
+  return p.kind == Precision::Kind::fp8 ? p.recipe.describe() : "";
+}
+
 /// Fields that must agree between a checkpoint and the run resuming it (or the continuation is
 /// not the same training run).
 void check_resume_compatible(const SafetensorsFile& file,
                              const std::map<std::string, std::string>& expected) {
-  for (const char* key : {"config", "precision", "data", "batch", "seq", "accum", "lr", "warmup",
-                          "weight_decay", "grad_clip", "seed"}) {
-    std::string have = metadata_at(file, key);
+  for (const char* key : {"config", "precision", "recipe", "data", "batch", "seq", "accum", "lr",
+                          "warmup", "weight_decay", "grad_clip", "seed"}) {
+    // Checkpoints from before the recipe's knobs were stored ran the precision's default recipe.
+    const bool defaulted = std::string_view(key) == "recipe" && !file.metadata().contains(key);
+    std::string have = defaulted ? default_recipe_description(metadata_at(file, "precision"))
+                                 : metadata_at(file, key);
     OCTET_CHECK(have == expected.at(key), "checkpoint ", file.path(),
                 " is from an incompatible run: ", key, " is ", have, " there, but ",
                 expected.at(key), " here");
@@ -402,6 +415,44 @@ struct RunSetup {
   ModelConfig config;
 };
 
+/// The precision named by o.precision with the recipe knobs of `o` applied (and checked).
+Precision resolve_precision(const TrainOptions& o) {
+  Precision p = Precision::from_name(o.precision);
+  const bool knobs = o.amax_history != 0 || !o.amax_algo.empty() || o.margin >= 0;
+  if (knobs) {
+    OCTET_CHECK(p.kind == Precision::Kind::fp8 && p.recipe.kind == fp8::RecipeKind::delayed,
+                "--amax-history, --amax-algo and --margin set delayed scaling's amax history and "
+                "scale, but the precision is ",
+                o.precision, "; use --precision fp8-delayed");
+    if (o.amax_history != 0) {
+      OCTET_CHECK(o.amax_history > 0 && o.amax_history <= INT32_MAX,
+                  "--amax-history must be a positive row count, got ", o.amax_history);
+      p.recipe.amax_history_len = static_cast<int>(o.amax_history);
+    }
+    if (!o.amax_algo.empty()) p.recipe.amax_compute_algo = fp8::amax_algo_from_name(o.amax_algo);
+    if (o.margin >= 0) {
+      OCTET_CHECK(o.margin <= 149, "--margin must be in [0, 149] (2^-margin must be a nonzero ",
+                  "float), got ", o.margin);
+      p.recipe.margin = static_cast<int>(o.margin);
+    }
+  }
+  if (!o.fp8_format.empty()) {
+    OCTET_CHECK(p.kind == Precision::Kind::fp8 && (p.recipe.kind == fp8::RecipeKind::delayed ||
+                                                   p.recipe.kind == fp8::RecipeKind::current),
+                "--fp8-format applies to fp8-delayed and fp8-current (block and MXFP8 recipes "
+                "are E4M3), but the precision is ",
+                o.precision);
+    p.recipe.format = fp8::format_from_name(o.fp8_format);
+  }
+  if (p.kind == Precision::Kind::fp8) p.recipe.validate();
+  return p;
+}
+
+/// "fp8-delayed (hybrid, amax history 1024 (max), margin 0)"; "bf16".
+std::string describe_precision(const Precision& p) {
+  return p.kind == Precision::Kind::fp8 ? p.name() + " (" + p.recipe.describe() + ")" : p.name();
+}
+
 RunSetup prepare_run(const TrainOptions& requested) {
   RunSetup run;
   run.options = resolve_defaults(requested);
@@ -409,7 +460,9 @@ RunSetup prepare_run(const TrainOptions& requested) {
   if (o.deterministic) set_deterministic(true);
   run.device = Device::parse(o.device);
   check_device_available(run.device);
-  run.precision = Precision::from_name(o.precision);
+  run.precision = resolve_precision(o);
+  for (nn::Fusion f : nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse))
+    nn::set_fusion_enabled(f, false);
   run.data = make_token_source(o.data, o.seed);
   run.config = resolve_model_config(o, run.data->vocab_size());
   check_run_shape(o, run.config, run.precision);
@@ -450,7 +503,11 @@ void train(const TrainOptions& options) {
   }
 
   std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
-              device.str().c_str(), precision.name().c_str(), data->describe().c_str());
+              device.str().c_str(), describe_precision(precision).c_str(),
+              data->describe().c_str());
+  if (nn::disabled_fusions() != "none")
+    std::printf("  fusions off: %s (bitwise the same results, slower)\n",
+                nn::disabled_fusions().c_str());
   std::printf("  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g, out %s%s\n",
               (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
               o.out.c_str(),

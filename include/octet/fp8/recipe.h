@@ -53,7 +53,18 @@ struct Recipe {
   void validate() const;
   /// "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8".
   std::string name() const;
+  /// The fields the kind uses, e.g. "hybrid, amax history 1024 (max), margin 0" for delayed
+  /// scaling: for run headers and checkpoint metadata (two recipes of one kind differ in it
+  /// exactly when they compute differently).
+  std::string describe() const;
 };
+
+/// "e4m3" / "hybrid", and the inverse (throws on anything else).
+std::string_view format_name(Fp8Format format);
+Fp8Format format_from_name(std::string_view name);
+/// "max" / "most_recent", and the inverse (throws on anything else).
+std::string_view amax_algo_name(AmaxAlgo algo);
+AmaxAlgo amax_algo_from_name(std::string_view name);
 
 /// Inverse of Recipe::name() with default parameters; throws on an unknown name.
 Recipe recipe_from_name(std::string_view name);

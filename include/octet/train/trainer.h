@@ -13,6 +13,16 @@ namespace octet::train {
 struct TrainOptions {
   std::string device = "auto";  ///< cpu, cuda, cuda:N; auto = cuda when a GPU is visible
   std::string precision = "fp8-delayed";
+  /// The FP8 recipe's knobs under Transformer Engine's DelayedScaling names (0, -1 or empty: the
+  /// recipe's default). amax_history, amax_algo and margin are delayed scaling's; fp8_format
+  /// applies to fp8-delayed and fp8-current.
+  int64_t amax_history = 0;  ///< amax_history_len
+  std::string amax_algo;     ///< amax_compute_algo: max or most_recent
+  int64_t margin = -1;       ///< margin: scales are divided by 2^margin
+  std::string fp8_format;    ///< fp8_format: hybrid (E4M3 forward, E5M2 gradients) or e4m3
+  /// Fused casts to switch off (nn::parse_fusions: "all" or names): a bisecting aid; every
+  /// fusion gives bitwise the unfused result, so this changes speed, never the numbers.
+  std::string unfuse;
   std::string model;  ///< preset; default tiny on CPU, gpt2-124m on GPU
   int64_t layers = 0, dim = 0, heads = 0, ffn = 0, vocab = 0;  ///< preset overrides
   std::string data = "builtin";
