@@ -2,7 +2,13 @@
 # gpu-check.sh: the device machine's whole check in one call: build, the test suite, the four
 # compute-sanitizer tools over the CUDA op tests, and octet_bench; then a short summary.
 #
-#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench (default: all four)
+#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench convergence
+#                                       (default: the first four)
+#
+# convergence (scripts/convergence.sh gpu: every precision on two real-text corpora at the GPT-2
+# 124M layout, 1500 steps each, about 7 minutes) needs a call of its own after a build:
+#   scripts/gpu-check.sh build convergence     (carry .corpora: scripts/corpora.sh makes it here;
+#                                               the GPU machine has no package registry)
 #
 # The device tool allows 10 minutes a command. A cold build plus every stage may not fit: split it
 # in two calls on the same warm machine (build-gpu/ is kept between calls while it stays warm):
@@ -12,8 +18,9 @@
 # Every stage runs even when an earlier one failed (a stage whose binary is missing records that),
 # so one run gives the whole picture; the exit code is 1 when anything failed.
 #
-# Output under $OUT (default ./out; at most these 7 files, the device tool returns 8):
+# Output under $OUT (default ./out; the device tool returns 8 files, and no call runs every stage):
 #   summary.txt  build.log  tests.log  tests.json  sanitizer.log  bench.log  bench.json
+#   convergence.md  convergence-fortunes.png  convergence-vimdoc.png  (the convergence stage)
 #
 # Environment:
 #   OUT                  output folder (default ./out)
@@ -29,6 +36,7 @@
 #                        written, so the library's stores escape initcheck; H200, 2026-12-01)
 #   BENCH_TIMEOUT        seconds for octet_bench (default 240; the default set takes ~1-2 min)
 #   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
+#   CONVERGENCE_TIMEOUT  seconds for the convergence stage (default 560)
 #
 # The sanitizer runs set OCTET_TEST_SMALL=1. Convention for test authors: when it is set, a
 # parity test skips (GTEST_SKIP) its large shapes (more than 2^22 elements, e.g. 16384x8192),
@@ -233,6 +241,27 @@ stage_bench() {
 }
 
 # ------------------------------------------------------------------------------------------------
+stage_convergence() {
+  local start rc dir="$STATE/convergence"
+  start=$(now)
+  if [[ ! -x "$BUILD_DIR/octet" ]]; then
+    fail convergence "no $BUILD_DIR/octet (build failed?)"
+    return
+  fi
+  timeout "${CONVERGENCE_TIMEOUT:-560}" scripts/convergence.sh gpu "$BUILD_DIR" "$dir" \
+    >"$STATE/convergence.log" 2>&1
+  rc=$?
+  cp "$dir/table.md" "$OUT/convergence.md" 2>/dev/null
+  cp "$dir"/convergence-*.png "$OUT/" 2>/dev/null
+  sed 's/^/  /' "$dir/table.md" >"$STATE/convergence_table.txt" 2>/dev/null
+  [[ $rc -eq 124 ]] && fail convergence "timed out after ${CONVERGENCE_TIMEOUT:-560}s"
+  [[ $rc -ne 0 && $rc -ne 124 ]] && fail convergence "an FP8 recipe is more than 1% above BF16, \
+or a run failed (convergence.md; exit $rc)"
+  [[ $rc -ne 0 ]] && tail -20 "$STATE/convergence.log" >>"$STATE/convergence_table.txt"
+  record convergence_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
 # Reads the results, tests.json and bench.json; prints the summary and records bench failures.
 summarize() {
   python3 - "$STATE" "$OUT" "$@" <<'EOF'
@@ -354,6 +383,12 @@ if "bench" in stages:
     if unsupported:
         lines.append(f"  ({unsupported} skipped as unsupported by the library)")
 
+if "convergence" in stages:
+    table = os.path.join(state, "convergence_table.txt")
+    lines.append("convergence (scripts/convergence.sh gpu):")
+    lines.extend(open(table).read().rstrip("\n").split("\n") if os.path.exists(table)
+                 else ["  not run"])
+
 lines.append("result: " + ("FAILED" if failures else "OK"))
 for f in failures:
     lines.append("  " + f)
@@ -370,9 +405,9 @@ main() {
   [[ ${#stages[@]} -eq 0 ]] && stages=(build test sanitize bench)
   for stage in "${stages[@]}"; do
     case "$stage" in
-      build | test | sanitize | bench) ;;
+      build | test | sanitize | bench | convergence) ;;
       *)
-        echo "gpu-check: unknown stage '$stage' (build test sanitize bench)" >&2
+        echo "gpu-check: unknown stage '$stage' (build test sanitize bench convergence)" >&2
         return 2
         ;;
     esac
