@@ -413,6 +413,7 @@ struct RunSetup {
   Precision precision;
   std::unique_ptr<TokenSource> data;
   ModelConfig config;
+  std::vector<nn::Fusion> unfused;  ///< --unfuse: off for the run (an nn::UnfusedScope)
 };
 
 /// The precision named by o.precision with the recipe knobs of `o` applied (and checked).
@@ -461,8 +462,7 @@ RunSetup prepare_run(const TrainOptions& requested) {
   run.device = Device::parse(o.device);
   check_device_available(run.device);
   run.precision = resolve_precision(o);
-  for (nn::Fusion f : nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse))
-    nn::set_fusion_enabled(f, false);
+  run.unfused = nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse);
   run.data = make_token_source(o.data, o.seed);
   run.config = resolve_model_config(o, run.data->vocab_size());
   check_run_shape(o, run.config, run.precision);
@@ -484,7 +484,8 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
 
 void train(const TrainOptions& options) {
   RunSetup run = prepare_run(options);
-  auto& [o, device, precision, data, config] = run;
+  auto& [o, device, precision, data, config, unfused] = run;
+  const nn::UnfusedScope unfused_scope(unfused);
 
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
 
@@ -587,7 +588,8 @@ void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, doub
 
 void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
   RunSetup run = prepare_run(options);
-  auto& [o, device, precision, data, config] = run;
+  auto& [o, device, precision, data, config, unfused] = run;
+  const nn::UnfusedScope unfused_scope(unfused);
   reset_device_peak(device);
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
   Tensor norm_sq = Tensor::zeros({1}, DType::f32, device);
