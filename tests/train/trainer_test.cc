@@ -112,8 +112,10 @@ TEST(Trainer, LossFallsAndMetricsHaveTheContractFields) {
     if (j.contains("fp8")) {
       saw_fp8_stats = true;
       for (const auto& [module, stats] : j["fp8"].items())
-        for (const char* key : {"input_amax", "saturated", "underflow", "weight_amax"})
-          EXPECT_TRUE(stats.contains(key)) << module << " lacks " << key;
+        for (const char* role : {"input", "weight", "grad_output"})
+          for (const char* key : {"amax", "scale", "saturated", "underflow"})
+            EXPECT_TRUE(stats.contains(role) && stats[role].contains(key))
+                << module << " lacks " << role << "." << key;
     }
   }
   ASSERT_EQ(losses.size(), 30u);
