@@ -6,6 +6,7 @@
 
 #include "octet/core/device.h"
 #include "octet/core/error.h"
+#include "octet/train/commands.h"
 #include "octet/train/trainer.h"
 
 namespace {

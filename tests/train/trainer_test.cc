@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "octet/core/error.h"
+#include "octet/train/commands.h"
 #include "octet/train/safetensors.h"
 #include "train/scratch_dir.h"
 

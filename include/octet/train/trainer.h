@@ -1,4 +1,4 @@
-// The training loop behind `octet train`, and the checkpoint format it writes and resumes from.
+// The training loop behind `octet train` and `octet bench train`, and their options.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,9 @@
 #include "octet/train/config.h"
 
 namespace octet::train {
+
+/// FP8 GEMM dimensions (tokens too) must be multiples of this (the cuBLASLt rule).
+inline constexpr int64_t kTokenMultiple = 16;
 
 /// Everything `octet train` takes. Zero / empty means "the default for the device".
 struct TrainOptions {
@@ -52,13 +55,5 @@ void run_train(const TrainOptions& options);
 /// timed steps also run under the op profiler (which adds a little overhead) and a table of the
 /// device time per op and step goes to stderr.
 void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile = false);
-
-/// `octet eval`: val loss of a checkpoint (and arithmetic accuracy for the builtin corpus).
-void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches);
-/// `octet generate`: samples `tokens` tokens after `prompt` (byte-level vocabularies).
-void run_generate(const std::string& checkpoint, const std::string& device,
-                  const std::string& prompt, int64_t tokens, double temperature, uint64_t seed);
-/// `octet inspect`: the config and a table of the FP8 state per layer.
-void run_inspect(const std::string& checkpoint);
 
 }  // namespace octet::train
