@@ -1,7 +1,12 @@
 // The training checkpoint's schema: tensors, metadata, restore and the resume checks.
 #include "octet/train/checkpoint.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
 #include <nlohmann/json.hpp>
+#include <system_error>
 
 #include "octet/core/error.h"
 #include "octet/nn/fp8_state.h"
@@ -10,7 +15,48 @@
 namespace octet::train {
 namespace {
 
+namespace fs = std::filesystem;
 using nlohmann::json;
+
+constexpr const char* kCheckpointPrefix = "checkpoint-";
+constexpr const char* kCheckpointSuffix = ".safetensors";
+// What write_file_atomically / link_atomically append to a name while writing it.
+constexpr const char* kTemporaryMarker = ".tmp.";
+// Digits of the step in a checkpoint's name, so that names sort as steps up to 10^6.
+constexpr int kStepDigits = 6;
+
+/// The step of a checkpoint file name, or nothing for any other name.
+std::optional<int64_t> step_of(const std::string& name) {
+  const std::string prefix = kCheckpointPrefix, suffix = kCheckpointSuffix;
+  if (name.size() <= prefix.size() + suffix.size() || !name.starts_with(prefix) ||
+      !name.ends_with(suffix))
+    return std::nullopt;
+  const std::string digits =
+      name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.size() > 18 ||
+      !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }))
+    return std::nullopt;
+  return std::stoll(digits);
+}
+
+/// Removes `path`, ignoring a file that is already gone (pruning must not fail a save).
+void remove_quietly(const fs::path& path) {
+  std::error_code ignored;
+  fs::remove(path, ignored);
+}
+
+/// Removes what saves interrupted by a crash left behind in `dir`: "checkpoint*.tmp.<pid>" files
+/// of other processes.
+void remove_interrupted_saves(const fs::path& dir) {
+  const std::string own = kTemporaryMarker + std::to_string(::getpid());
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("checkpoint") && name.find(kTemporaryMarker) != std::string::npos &&
+        !name.ends_with(own))
+      remove_quietly(entry.path());
+  }
+}
 
 json config_json(const ModelConfig& c) {
   return json{{"preset", c.preset},     {"arch", std::string(arch_name(c.arch))},
@@ -100,6 +146,32 @@ std::string metadata_at(const SafetensorsFile& file, const std::string& key) {
   return it->second;
 }
 
+uint64_t metadata_uint(const SafetensorsFile& file, const std::string& key, uint64_t max) {
+  const std::string text = metadata_at(file, key);
+  uint64_t value = 0;
+  bool valid = !text.empty() && text.size() <= std::numeric_limits<uint64_t>::digits10 + 1;
+  for (const char c : text) {
+    valid = valid && c >= '0' && c <= '9' && !__builtin_mul_overflow(value, 10, &value) &&
+            !__builtin_add_overflow(value, static_cast<uint64_t>(c - '0'), &value);
+  }
+  OCTET_CHECK(valid && value <= max, "checkpoint ", file.path(), ": metadata '", key,
+              "' expected an integer in [0, ", max, "], got '", text, "'");
+  return value;
+}
+
+void check_config_matches_tensors(const SafetensorsFile& file, const ModelConfig& config) {
+  int64_t held = 0;
+  for (const std::string& name : file.names()) {
+    if (!name.starts_with("param.")) continue;
+    int64_t elements = 1;
+    for (int64_t extent : file.shape(name)) elements *= extent;  // bounded by the file's size
+    held += elements;
+  }
+  OCTET_CHECK(held == config.parameter_count(), "checkpoint ", file.path(),
+              ": its config metadata describes ", config.describe(), ", but its param.* tensors ",
+              "hold ", held, " parameters; the metadata does not match the tensors");
+}
+
 ModelConfig checkpoint_config(const SafetensorsFile& file) {
   try {
     return config_from_json(json::parse(metadata_at(file, "config")));
@@ -135,6 +207,94 @@ void check_resume_compatible(const SafetensorsFile& file,
                 " is from an incompatible run: ", key, " is ", have, " there, but ",
                 expected.at(key), " here");
   }
+}
+
+// ----------------------------------------------------------------------------
+// The checkpoints of a run directory
+
+std::string checkpoint_file_name(int64_t step) {
+  char digits[32];
+  std::snprintf(digits, sizeof digits, "%0*lld", kStepDigits, static_cast<long long>(step));
+  return kCheckpointPrefix + std::string(digits) + kCheckpointSuffix;
+}
+
+std::vector<CheckpointFile> list_checkpoints(const fs::path& dir) {
+  std::vector<CheckpointFile> out;
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
+    const std::optional<int64_t> step = step_of(entry.path().filename().string());
+    if (step && entry.is_regular_file(error)) out.push_back({*step, entry.path()});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const CheckpointFile& a, const CheckpointFile& b) { return a.step < b.step; });
+  return out;
+}
+
+std::optional<fs::path> newest_checkpoint(const fs::path& dir) {
+  const std::vector<CheckpointFile> files = list_checkpoints(dir);
+  for (auto it = files.rbegin(); it != files.rend(); ++it) {
+    try {
+      load_safetensors(it->path.string());
+      return it->path;
+    } catch (const Error& e) {
+      std::fprintf(stderr, "octet: warning: passing over %s: %s\n", it->path.c_str(),
+                   e.message().c_str());
+    }
+  }
+  const fs::path old_layout = dir / kNewestCheckpointLink;
+  std::error_code error;
+  if (files.empty() && fs::is_regular_file(fs::symlink_status(old_layout, error)))
+    return old_layout;
+  return std::nullopt;
+}
+
+std::string resolve_checkpoint(const std::string& path) {
+  std::error_code error;
+  if (!fs::is_directory(path, error)) return path;
+  const std::optional<fs::path> newest = newest_checkpoint(path);
+  OCTET_CHECK(newest.has_value(), "run directory '", path, "' holds no complete checkpoint (",
+              kCheckpointPrefix, "<step>", kCheckpointSuffix, ")");
+  return newest->string();
+}
+
+fs::path save_checkpoint(const fs::path& dir, int64_t step,
+                         const std::vector<std::pair<std::string, Tensor>>& tensors,
+                         const std::map<std::string, std::string>& metadata, int64_t keep) {
+  fs::create_directories(dir);
+  remove_interrupted_saves(dir);  // before writing: a full disk may need their space
+  const fs::path path = dir / checkpoint_file_name(step);
+  try {
+    save_safetensors(path.string(), tensors, metadata);
+  } catch (const Error& e) {
+    const std::optional<fs::path> newest = newest_checkpoint(dir);
+    OCTET_ERROR("checkpoint of step ", step, " not saved: ", e.message(), "; ",
+                newest ? "the newest complete checkpoint is " + newest->string() +
+                             ": free space and continue with --resume " + dir.string()
+                       : std::string("there is no earlier checkpoint in ") + dir.string());
+  }
+  link_atomically((dir / kNewestCheckpointLink).string(), path.filename().string());
+
+  std::vector<CheckpointFile> files = list_checkpoints(dir);
+  int64_t older = 0;
+  for (const CheckpointFile& f : files) older += f.step < step;
+  for (const CheckpointFile& f : files) {
+    // Later steps belong to a run this one replaces; beyond `keep`, the oldest go.
+    const bool superseded = f.step > step;
+    const bool beyond_keep = keep > 0 && f.step < step && older-- >= keep;
+    if (superseded || beyond_keep) remove_quietly(f.path);
+  }
+  return path;
+}
+
+int64_t resume_from(const SafetensorsFile& file, const std::map<std::string, std::string>& expected,
+                    TrainState& s, TokenSource& data) {
+  check_resume_compatible(file, expected);
+  const auto step = static_cast<int64_t>(metadata_uint(file, "step"));
+  const DataPosition position = parse_data_position(metadata_at(file, "data_position"));
+  restore_tensors(file, s);
+  s.step = step;
+  data.set_position(position);
+  return step;
 }
 
 }  // namespace octet::train

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -127,17 +128,19 @@ void print_train_bench(const TrainBenchResult& r) {
 namespace {
 /// A model restored from a checkpoint for eval/generate.
 struct LoadedModel {
+  SafetensorsFile file;
   ModelConfig config;
   Precision precision;
   std::unique_ptr<GPT> model;
-  std::map<std::string, std::string> metadata;
 };
 
+/// `path`: a checkpoint file or a run directory (its newest checkpoint).
 LoadedModel load_model(const std::string& path, const std::string& device_name) {
-  SafetensorsFile file = load_safetensors(path);
   LoadedModel m;
-  m.metadata = file.metadata();
+  m.file = load_safetensors(resolve_checkpoint(path));
+  const SafetensorsFile& file = m.file;
   m.config = checkpoint_config(file);
+  check_config_matches_tensors(file, m.config);  // before allocating the model it describes
   m.precision = Precision::from_name(metadata_at(file, "precision"));
   std::string dev =
       device_name == "auto" ? (cuda_device_count() > 0 ? "cuda" : "cpu") : device_name;
@@ -152,15 +155,27 @@ LoadedModel load_model(const std::string& path, const std::string& device_name) 
 }  // namespace
 
 void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches) {
+  OCTET_CHECK(batches > 0, "batches must be positive, got ", batches);
   LoadedModel m = load_model(checkpoint, device);
-  const std::string spec = m.metadata.at("data");
-  auto data = make_token_source(spec, std::stoull(m.metadata.at("seed")));
-  const int64_t batch = std::stoll(m.metadata.at("batch")), seq = std::stoll(m.metadata.at("seq"));
+  const std::string spec = metadata_at(m.file, "data");
+  auto data =
+      make_token_source(spec, metadata_uint(m.file, "seed", std::numeric_limits<uint64_t>::max()));
+  const auto batch = static_cast<int64_t>(metadata_uint(m.file, "batch"));
+  const auto seq = static_cast<int64_t>(metadata_uint(m.file, "seq"));
+  // The token sources count tokens in int.
+  constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
+  OCTET_CHECK(seq >= 1 && seq <= m.config.max_seq && batch >= 1 && batch <= kMaxTokens / seq,
+              "checkpoint ", m.file.path(), ": expected 1 <= seq <= max_seq (", m.config.max_seq,
+              ") and 1 <= batch x seq <= ", kMaxTokens, " in its metadata, got batch ", batch,
+              ", seq ", seq);
+  const int64_t count = std::min(batches, data->val_batch_count(batch, seq));
+  OCTET_CHECK(count > 0, "the validation split of ", spec, " holds no batch of ", batch, " x ", seq,
+              " tokens");
   std::printf("%s, step %s, %s precision\n", m.config.describe().c_str(),
-              m.metadata.at("step").c_str(), m.precision.name().c_str());
+              metadata_at(m.file, "step").c_str(), m.precision.name().c_str());
   std::printf("val loss: %.4f over %lld batch(es) of %s\n",
-              validation_loss(*m.model, *data, batch, seq, batches),
-              (long long)std::min(batches, data->val_batch_count(batch, seq)), spec.c_str());
+              validation_loss(*m.model, *data, batch, seq, batches), (long long)count,
+              spec.c_str());
   if (spec == "builtin") print_arithmetic_skill(*m.model);
 }
 
@@ -174,7 +189,8 @@ void run_generate(const std::string& checkpoint, const std::string& device,
   std::printf("%s%s\n", prompt.c_str(), text.c_str());
 }
 
-void run_inspect(const std::string& checkpoint) {
+void run_inspect(const std::string& path) {
+  const std::string checkpoint = resolve_checkpoint(path);
   SafetensorsFile file = load_safetensors(checkpoint);
   const ModelConfig config = checkpoint_config(file);
   std::printf("checkpoint: %s\n", checkpoint.c_str());

@@ -21,6 +21,7 @@
 #include "octet/train/metrics.h"
 #include "octet/train/model.h"
 #include "octet/train/safetensors.h"
+#include "octet/train/schedule.h"
 
 namespace octet::train {
 namespace {
@@ -29,23 +30,11 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // Defaults per device. The CPU default is sized to finish in under 3 minutes on 2 cores.
+// (The default learning rate depends on the model, not the device: default_learning_rate.)
 constexpr int64_t kCpuSteps = 300, kCpuBatch = 16, kCpuSeq = 64;
-constexpr double kCpuLr = 2e-3;
 constexpr int64_t kGpuSteps = 500, kGpuBatch = 16, kGpuSeq = 512;
-constexpr double kGpuLr = 6e-4;
-constexpr int64_t kDefaultWarmup = 20;
 // AdamW moments as in GPT-2/3 training.
 constexpr float kBeta1 = 0.9f, kBeta2 = 0.95f, kAdamEps = 1e-8f;
-
-const char* const kCheckpointFile = "checkpoint.safetensors";
-
-// Learning rate at 1-based `step`: linear warmup, then inverse-square-root decay. The schedule
-// has no horizon, so it does not depend on --steps: a run resumed with more steps continues
-// exactly as an uninterrupted one.
-double learning_rate(double peak, int64_t warmup, int64_t step) {
-  if (warmup > 0 && step <= warmup) return peak * static_cast<double>(step) / warmup;
-  return peak * std::sqrt(static_cast<double>(std::max<int64_t>(warmup, 1)) / step);
-}
 
 json fp8_statistics(GPT& model) {
   json stats = json::object();
@@ -152,8 +141,8 @@ TrainOptions resolve_defaults(TrainOptions o) {
   if (o.steps == 0) o.steps = on_gpu ? kGpuSteps : kCpuSteps;
   if (o.batch == 0) o.batch = on_gpu ? kGpuBatch : kCpuBatch;
   if (o.seq == 0) o.seq = on_gpu ? kGpuSeq : kCpuSeq;
-  if (o.lr == 0) o.lr = on_gpu ? kGpuLr : kCpuLr;
-  if (o.warmup < 0) o.warmup = std::min<int64_t>(kDefaultWarmup, o.steps);
+  if (o.lr == 0) o.lr = default_learning_rate(o.dim ? o.dim : model_preset(o.model).dim);
+  if (o.warmup < 0) o.warmup = kDefaultWarmup;
   return o;
 }
 
@@ -222,25 +211,27 @@ void train(const TrainOptions& options) {
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
 
   fs::create_directories(o.out);
-  const std::string checkpoint_path = (fs::path(o.out) / kCheckpointFile).string();
   std::optional<int64_t> resume_step;
+  std::string resumed_from;
   if (!o.resume.empty()) {
-    SafetensorsFile file = load_safetensors(o.resume);
-    check_resume_compatible(file, run_metadata(o, config, precision, *data, 0));
-    restore_tensors(file, s);
-    s.step = std::stoll(metadata_at(file, "step"));
-    data->set_position(parse_data_position(metadata_at(file, "data_position")));
-    resume_step = s.step;
-    OCTET_CHECK(s.step < o.steps, "checkpoint ", o.resume, " is at step ", s.step,
+    resumed_from = resolve_checkpoint(o.resume);
+    const SafetensorsFile file = load_safetensors(resumed_from);
+    resume_step = resume_from(file, run_metadata(o, config, precision, *data, 0), s, *data);
+    OCTET_CHECK(s.step < o.steps, "checkpoint ", resumed_from, " is at step ", s.step,
                 ", nothing to do for --steps ", o.steps);
   }
 
   std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
               device.str().c_str(), precision.name().c_str(), data->describe().c_str());
-  std::printf("  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g, out %s%s\n",
-              (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
-              o.out.c_str(),
-              resume_step ? (", resumed at step " + std::to_string(*resume_step)).c_str() : "");
+  const std::string lr_origin =
+      options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
+  std::printf(
+      "  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g%s, warmup %lld, out %s%s\n",
+      (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
+      lr_origin.c_str(), (long long)o.warmup, o.out.c_str(),
+      resume_step
+          ? (", resumed at step " + std::to_string(*resume_step) + " from " + resumed_from).c_str()
+          : "");
   std::fflush(stdout);
 
   MetricsWriter metrics((fs::path(o.out) / "metrics.jsonl").string(), resume_step);
@@ -249,9 +240,12 @@ void train(const TrainOptions& options) {
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   double first_loss = NAN, last_loss = NAN;
 
+  fs::path checkpoint_path;
+  int64_t saved_step = -1;
   auto save = [&] {
-    save_safetensors(checkpoint_path, checkpoint_tensors(s),
-                     run_metadata(o, config, precision, *data, s.step));
+    checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
+                                      run_metadata(o, config, precision, *data, s.step), o.keep);
+    saved_step = s.step;
   };
 
   while (s.step < o.steps) {
@@ -281,7 +275,7 @@ void train(const TrainOptions& options) {
     if (o.save_every > 0 && step % o.save_every == 0) save();
   }
   progress.finish();
-  save();
+  if (saved_step != s.step) save();
 
   const double val = validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches);
   metrics.write(s.step, {{"val_loss", val}});
