@@ -32,6 +32,7 @@ using octet::testing::fresh_seed;
 using octet::testing::loss_lines;
 using octet::testing::micro_options;
 using octet::testing::read_file;
+using octet::testing::rewrite_metadata;
 using octet::testing::same_checkpoint_tensors;
 using octet::testing::scratch_dir;
 using ::testing::HasSubstr;
@@ -365,17 +366,6 @@ TEST(TrainDefaults, WarmupDoesNotDependOnSteps) {
 
 // ----------------------------------------------------------------------------
 // A checkpoint whose metadata lies about the model
-
-/// Rewrites checkpoint `from` into `to` with metadata `key` set to `value`.
-void rewrite_metadata(const fs::path& from, const fs::path& to, const std::string& key,
-                      const std::string& value) {
-  const SafetensorsFile file = load_safetensors(from.string());
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (const std::string& name : file.names()) tensors.emplace_back(name, file.get(name));
-  std::map<std::string, std::string> metadata = file.metadata();
-  metadata[key] = value;
-  save_safetensors(to.string(), tensors, metadata);
-}
 
 TEST(CheckpointHostile, AConfigLargerThanTheTensorsIsRefusedBeforeAllocating) {
   const auto dir = scratch_dir();

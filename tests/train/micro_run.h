@@ -1,11 +1,12 @@
-// Helpers of the tests that train: a micro model's options, the losses of a metrics file, and
-// the bitwise comparison of two checkpoints.
+// Helpers of the tests that train: a micro model's options, the losses of a metrics file, the
+// bitwise comparison of two checkpoints, and rewriting a checkpoint's metadata.
 #pragma once
 
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -67,6 +68,17 @@ inline ::testing::AssertionResult same_checkpoint_tensors(const std::filesystem:
              << "tensor '" << name << "' differs between " << a << " and " << b;
   }
   return ::testing::AssertionSuccess();
+}
+
+/// Rewrites checkpoint `from` into `to` with metadata `key` set to `value` (checksums renewed).
+inline void rewrite_metadata(const std::filesystem::path& from, const std::filesystem::path& to,
+                             const std::string& key, const std::string& value) {
+  const train::SafetensorsFile file = train::load_safetensors(from.string());
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (const std::string& name : file.names()) tensors.emplace_back(name, file.get(name));
+  std::map<std::string, std::string> metadata = file.metadata();
+  metadata[key] = value;
+  train::save_safetensors(to.string(), tensors, metadata);
 }
 
 }  // namespace octet::testing
