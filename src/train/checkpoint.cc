@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <system_error>
 
@@ -24,6 +26,13 @@ constexpr const char* kCheckpointSuffix = ".safetensors";
 constexpr const char* kTemporaryMarker = ".tmp.";
 // Digits of the step in a checkpoint's name, so that names sort as steps up to 10^6.
 constexpr int kStepDigits = 6;
+// Longest step in a name: 18 digits always fit in int64_t.
+constexpr size_t kMaxStepDigits = 18;
+
+bool all_digits(const std::string& text) {
+  return !text.empty() &&
+         std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isdigit(c); });
+}
 
 /// The step of a checkpoint file name, or nothing for any other name.
 std::optional<int64_t> step_of(const std::string& name) {
@@ -33,9 +42,7 @@ std::optional<int64_t> step_of(const std::string& name) {
     return std::nullopt;
   const std::string digits =
       name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
-  if (digits.size() > 18 ||
-      !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); }))
-    return std::nullopt;
+  if (digits.size() > kMaxStepDigits || !all_digits(digits)) return std::nullopt;
   return std::stoll(digits);
 }
 
@@ -45,16 +52,19 @@ void remove_quietly(const fs::path& path) {
   fs::remove(path, ignored);
 }
 
-/// Removes what saves interrupted by a crash left behind in `dir`: "checkpoint*.tmp.<pid>" files
-/// of other processes.
+/// Removes what writes interrupted by a crash left behind in run directory `dir`: the temporary
+/// files "<name>.tmp.<pid>" of other processes, for the checkpoints, their link and the metrics
+/// (rewritten when a run resumes).
 void remove_interrupted_saves(const fs::path& dir) {
-  const std::string own = kTemporaryMarker + std::to_string(::getpid());
+  const std::string own = std::to_string(::getpid());
   std::error_code error;
   for (const fs::directory_entry& entry : fs::directory_iterator(dir, error)) {
     const std::string name = entry.path().filename().string();
-    if (name.starts_with("checkpoint") && name.find(kTemporaryMarker) != std::string::npos &&
-        !name.ends_with(own))
-      remove_quietly(entry.path());
+    const size_t marker = name.rfind(kTemporaryMarker);
+    if (marker == std::string::npos) continue;
+    const std::string pid = name.substr(marker + std::strlen(kTemporaryMarker));
+    const bool octet_file = name.starts_with("checkpoint") || name.starts_with("metrics.jsonl");
+    if (octet_file && all_digits(pid) && pid != own) remove_quietly(entry.path());
   }
 }
 

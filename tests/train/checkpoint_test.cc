@@ -227,6 +227,7 @@ TEST(CheckpointDir, InterruptedSavesAreIgnoredAndCleanedAndDamagedNewestIsPassed
   const std::string full = read_file(dir / "checkpoint-000002.safetensors");
   write_bytes(dir / "checkpoint-000003.safetensors.tmp.999999", full.substr(0, full.size() / 2));
   write_bytes(dir / "checkpoint.safetensors.tmp.999998", "");
+  write_bytes(dir / "metrics.jsonl.tmp.999997", "{\"step\":");
   EXPECT_EQ(newest_checkpoint(dir), dir / "checkpoint-000002.safetensors");
   // A damaged newest file (written by something else than a save) is passed over.
   write_bytes(dir / "checkpoint-000009.safetensors", full.substr(0, 100));

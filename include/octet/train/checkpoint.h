@@ -77,7 +77,7 @@ void check_resume_compatible(const SafetensorsFile& file,
 // with such a name is complete. "checkpoint.safetensors" is a symbolic link to the newest one.
 // A save keeps the `keep` newest checkpoints and removes the older ones, any checkpoint of a later
 // step (a run that this one replaces, e.g. after resuming from an earlier step), and the temporary
-// files of saves that a crash interrupted.
+// files of writes that a crash interrupted (checkpoints, the link, metrics.jsonl).
 
 /// The link a run directory keeps to its newest checkpoint.
 inline constexpr const char* kNewestCheckpointLink = "checkpoint.safetensors";
