@@ -60,6 +60,7 @@ void check_run_shape(const TrainOptions& o, const ModelConfig& config, const Pre
   OCTET_CHECK(o.seq <= config.max_seq, "seq (", o.seq, ") is larger than the position table of ",
               config.preset, " (max_seq ", config.max_seq, ")");
   OCTET_CHECK(o.lr > 0 && std::isfinite(o.lr), "lr must be positive, got ", o.lr);
+  OCTET_CHECK(o.keep >= 0, "keep must be 0 (keep every checkpoint) or more, got ", o.keep);
   if (p.kind == Precision::Kind::fp8)
     OCTET_CHECK((o.batch * o.seq) % kTokenMultiple == 0, "FP8 GEMMs need batch*seq to be a ",
                 "multiple of ", kTokenMultiple, ", got ", o.batch, "*", o.seq, " = ",
