@@ -6,6 +6,7 @@
 
 #include "octet/core/device.h"
 #include "octet/core/error.h"
+#include "octet/train/commands.h"
 #include "octet/train/trainer.h"
 
 namespace {
@@ -48,8 +49,9 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--batch", o.batch, "sequences per microbatch");
   cmd->add_option("--seq", o.seq, "tokens per sequence");
   cmd->add_option("--accum", o.accum, "microbatches per optimizer step")->capture_default_str();
-  cmd->add_option("--lr", o.lr, "peak learning rate");
-  cmd->add_option("--warmup", o.warmup, "warmup steps (default 20)");
+  cmd->add_option("--lr", o.lr,
+                  "peak learning rate (default: by the model's width, from the GPT-3 table)");
+  cmd->add_option("--warmup", o.warmup, "warmup steps (default 20, whatever --steps is)");
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")
       ->capture_default_str();
@@ -59,7 +61,10 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                 "bitwise reproducible runs; ops without a deterministic path refuse to run");
   cmd->add_option("--out", o.out, "output directory")->capture_default_str();
   cmd->add_option("--save-every", o.save_every, "checkpoint every N steps (0: at the end)");
-  cmd->add_option("--resume", o.resume, "continue bitwise from a checkpoint");
+  cmd->add_option("--keep", o.keep, "checkpoints kept in --out, newest first (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--resume", o.resume,
+                  "continue bitwise from a checkpoint file or a run directory (its newest)");
   cmd->add_option("--eval-every", o.eval_every, "val loss every N steps (0: at the end)");
   cmd->add_option("--eval-batches", o.eval_batches, "val batches per evaluation")
       ->capture_default_str();
@@ -86,18 +91,19 @@ int main(int argc, char** argv) {
   uint64_t seed = 1;
   auto* eval =
       app.add_subcommand("eval", "val loss (and builtin arithmetic accuracy) of a checkpoint");
-  eval->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
+  eval->add_option("checkpoint", checkpoint, "a checkpoint file or a run directory")->required();
   eval->add_option("--device", device, "cpu, cuda or cuda:N");
   eval->add_option("--batches", batches, "val batches")->capture_default_str();
   auto* generate = app.add_subcommand("generate", "sample text from a checkpoint");
-  generate->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
+  generate->add_option("checkpoint", checkpoint, "a checkpoint file or a run directory")
+      ->required();
   generate->add_option("--device", device, "cpu, cuda or cuda:N");
   generate->add_option("--prompt", prompt, "text to continue")->capture_default_str();
   generate->add_option("--tokens", tokens, "tokens to generate")->capture_default_str();
   generate->add_option("--temperature", temperature, "0 for greedy")->capture_default_str();
   generate->add_option("--seed", seed, "sampling seed")->capture_default_str();
   auto* inspect = app.add_subcommand("inspect", "print a checkpoint's config and FP8 state");
-  inspect->add_option("checkpoint", checkpoint, "checkpoint.safetensors")->required();
+  inspect->add_option("checkpoint", checkpoint, "a checkpoint file or a run directory")->required();
   octet::train::TrainOptions bench_options;
   bench_options.steps = 10;
   int64_t bench_warmup = 3;

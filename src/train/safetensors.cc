@@ -6,13 +6,17 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
+
+#include "octet/train/crc32c.h"
 
 namespace octet::train {
 namespace {
@@ -90,18 +94,32 @@ void sync_directory(const std::string& path) {
   }
 }
 
+/// A checksum as the metadata records it: always 8 lowercase hex digits, so the header's length
+/// does not depend on the values (save writes it once before the data, then again with them).
+std::string checksum_text(uint32_t crc) {
+  char text[9];
+  std::snprintf(text, sizeof text, "%08x", crc);
+  return text;
+}
+
+/// The header; `checksums` holds one CRC-32C per tensor, in order.
 std::string checkpoint_header(const std::vector<std::pair<std::string, Tensor>>& tensors,
-                              const std::map<std::string, std::string>& user_metadata) {
+                              const std::map<std::string, std::string>& user_metadata,
+                              const std::vector<uint32_t>& checksums) {
   std::map<std::string, std::string> metadata;
   for (const auto& [key, value] : user_metadata)
-    if (!key.starts_with(kDTypeNotePrefix) && key != kFormatVersionKey) metadata[key] = value;
+    if (!key.starts_with(kDTypeNotePrefix) && !key.starts_with(kChecksumPrefix) &&
+        key != kFormatVersionKey)
+      metadata[key] = value;
   metadata[kFormatVersionKey] = kFormatVersion;
 
   nlohmann::ordered_json header;
   header[kMetadataKey] = nullptr;  // first, so `head -c` of a checkpoint shows it; filled below
   std::set<std::string> seen;
   uint64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& [name, tensor] = tensors[i];
+    metadata[kChecksumPrefix + name] = checksum_text(checksums[i]);
     OCTET_CHECK(!name.empty() && name != kMetadataKey,
                 "expected a non-empty tensor name other than __metadata__, got '", name, "'");
     OCTET_CHECK(seen.insert(name).second, "duplicate tensor name '", name, "'");
@@ -126,6 +144,13 @@ std::string checkpoint_header(const std::vector<std::pair<std::string, Tensor>>&
 
 // ----------------------------------------------------------------------------
 // Reading: every check names the file.
+
+std::optional<uint32_t> parse_checksum(const std::string& text) {
+  if (text.size() != 8 ||
+      !std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isxdigit(c); }))
+    return std::nullopt;
+  return static_cast<uint32_t>(std::stoul(text, nullptr, 16));
+}
 
 uint64_t json_offset(const nlohmann::json& value, const std::string& file, const std::string& name,
                      const char* field) {
@@ -244,20 +269,44 @@ void write_file_atomically(const std::string& path, const std::function<void(std
   sync_directory(path);
 }
 
+void link_atomically(const std::string& link, const std::string& target) {
+  const std::string temp = link + ".tmp." + std::to_string(::getpid());
+  std::remove(temp.c_str());
+  if (::symlink(target.c_str(), temp.c_str()) != 0)
+    throw_errno("cannot link '" + link + "' to '" + target + "'");
+  if (std::rename(temp.c_str(), link.c_str()) != 0) {
+    const int error = errno;
+    std::remove(temp.c_str());
+    errno = error;
+    throw_errno("cannot link '" + link + "' to '" + target + "'");
+  }
+  sync_directory(link);
+}
+
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  const std::string header = checkpoint_header(tensors, metadata);
+  // The checksums are known only once the data is written: the header goes out first with
+  // placeholders of the same length, then again over them.
+  std::vector<uint32_t> checksums(tensors.size(), 0);
+  const std::string placeholder = checkpoint_header(tensors, metadata, checksums);
   write_file_atomically(path, [&](std::FILE* file) {
     std::array<uint8_t, kLengthBytes> length{};
-    for (size_t i = 0; i < kLengthBytes; ++i) length[i] = (header.size() >> (8 * i)) & 0xFF;
+    for (size_t i = 0; i < kLengthBytes; ++i) length[i] = (placeholder.size() >> (8 * i)) & 0xFF;
     write_all(file, length.data(), length.size());
-    write_all(file, header.data(), header.size());
-    for (const auto& [name, tensor] : tensors) {
+    write_all(file, placeholder.data(), placeholder.size());
+    for (size_t i = 0; i < tensors.size(); ++i) {
       // One host copy at a time, so a checkpoint of GPU tensors needs little host memory.
+      const Tensor& tensor = tensors[i].second;
       const Tensor host = tensor.device().is_cpu() ? tensor : tensor.to(Device::cpu());
+      checksums[i] = crc32c(host.raw_data(), host.nbytes());
       write_all(file, host.raw_data(), host.nbytes());
     }
+    const std::string header = checkpoint_header(tensors, metadata, checksums);
+    OCTET_CHECK(header.size() == placeholder.size(), "safetensors header changed length (",
+                placeholder.size(), " to ", header.size(), ") when its checksums were filled in");
+    if (std::fseek(file, kLengthBytes, SEEK_SET) != 0) throw_errno("seek failed");
+    write_all(file, header.data(), header.size());
   });
 }
 
@@ -284,6 +333,12 @@ Tensor SafetensorsFile::get(const std::string& name) const {
   if (got != e.bytes)
     OCTET_ERROR("checkpoint truncated: expected ", e.bytes, " bytes of tensor '", name,
                 "' at offset ", e.begin, " of '", path_, "', got ", got);
+  if (e.checksum) {
+    const uint32_t computed = crc32c(t.raw_data(), e.bytes);
+    if (computed != *e.checksum)
+      OCTET_ERROR("checkpoint '", path_, "' is corrupt: tensor '", name, "' has CRC-32C ",
+                  checksum_text(computed), ", but the file recorded ", checksum_text(*e.checksum));
+  }
   return t;
 }
 
@@ -354,13 +409,14 @@ SafetensorsFile load_safetensors(const std::string& path) {
                 " (trailing bytes after the last tensor)");
 
   const auto version = out.metadata_.find(kFormatVersionKey);
-  if (version != out.metadata_.end() && version->second != kFormatVersion)
+  const bool unchecked_version = version != out.metadata_.end() && version->second == "1";
+  if (version != out.metadata_.end() && version->second != kFormatVersion && !unchecked_version)
     OCTET_ERROR("checkpoint '", path, "' has ", kFormatVersionKey, " '", version->second,
-                "'; this build reads version ", kFormatVersion);
+                "'; this build reads versions 1 and ", kFormatVersion);
 
   for (const ParsedEntry& e : entries) {
     out.names_.push_back(e.name);
-    out.entries_[e.name] = {e.dtype, e.shape, data_start + e.begin, e.end - e.begin};
+    out.entries_[e.name] = {e.dtype, e.shape, data_start + e.begin, e.end - e.begin, std::nullopt};
   }
   for (const auto& [key, value] : out.metadata_) {
     if (!key.starts_with(kDTypeNotePrefix)) continue;
@@ -371,6 +427,21 @@ SafetensorsFile load_safetensors(const std::string& path) {
                   "' expected 'e8m0' on a U8 tensor of that name");
     it->second.dtype = DType::e8m0;
   }
+  for (const auto& [key, value] : out.metadata_) {
+    if (!key.starts_with(kChecksumPrefix)) continue;
+    const auto it = out.entries_.find(key.substr(std::strlen(kChecksumPrefix)));
+    const std::optional<uint32_t> crc = parse_checksum(value);
+    if (it == out.entries_.end() || !crc)
+      OCTET_ERROR("checkpoint '", path, "': metadata ", key, "='", value,
+                  "' expected 8 hex digits naming a tensor of the file");
+    it->second.checksum = crc;
+  }
+  // Version 2 promises a checksum for every tensor: one missing means the header was altered.
+  if (version != out.metadata_.end() && version->second == kFormatVersion)
+    for (const auto& [name, entry] : out.entries_)
+      if (!entry.checksum)
+        OCTET_ERROR("checkpoint '", path, "': tensor '", name, "' has no ", kChecksumPrefix,
+                    " metadata, which format version ", kFormatVersion, " requires");
   return out;
 }
 

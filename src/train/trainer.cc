@@ -1,4 +1,4 @@
-// The training loop, its checkpoints, and the eval / generate / inspect commands.
+// The training loop behind `octet train` and `octet bench train`.
 #include "octet/train/trainer.h"
 
 #include <algorithm>
@@ -6,11 +6,8 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <random>
-#include <sstream>
 
 #include "octet/core/allocator.h"
 #include "octet/core/determinism.h"
@@ -19,10 +16,13 @@
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/fusion.h"
 #include "octet/ops/optimizer.h"
+#include "octet/train/checkpoint.h"
+#include "octet/train/commands.h"
 #include "octet/train/data.h"
 #include "octet/train/metrics.h"
 #include "octet/train/model.h"
 #include "octet/train/safetensors.h"
+#include "octet/train/schedule.h"
 
 namespace octet::train {
 namespace {
@@ -31,192 +31,11 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 // Defaults per device. The CPU default is sized to finish in under 3 minutes on 2 cores.
+// (The default learning rate depends on the model, not the device: default_learning_rate.)
 constexpr int64_t kCpuSteps = 300, kCpuBatch = 16, kCpuSeq = 64;
-constexpr double kCpuLr = 2e-3;
 constexpr int64_t kGpuSteps = 500, kGpuBatch = 16, kGpuSeq = 512;
-constexpr double kGpuLr = 6e-4;
-constexpr int64_t kDefaultWarmup = 20;
 // AdamW moments as in GPT-2/3 training.
 constexpr float kBeta1 = 0.9f, kBeta2 = 0.95f, kAdamEps = 1e-8f;
-// Problems scored for the builtin corpus's arithmetic accuracy.
-constexpr int kArithmeticProblems = 200;
-// FP8 GEMM dimensions (tokens too) must be multiples of this (the cuBLASLt rule).
-constexpr int64_t kTokenMultiple = 16;
-
-const char* const kCheckpointFile = "checkpoint.safetensors";
-
-// Learning rate at 1-based `step`: linear warmup, then inverse-square-root decay. The schedule
-// has no horizon, so it does not depend on --steps: a run resumed with more steps continues
-// exactly as an uninterrupted one.
-double learning_rate(double peak, int64_t warmup, int64_t step) {
-  if (warmup > 0 && step <= warmup) return peak * static_cast<double>(step) / warmup;
-  return peak * std::sqrt(static_cast<double>(std::max<int64_t>(warmup, 1)) / step);
-}
-
-json config_json(const ModelConfig& c) {
-  return json{{"preset", c.preset},     {"arch", std::string(arch_name(c.arch))},
-              {"layers", c.layers},     {"dim", c.dim},
-              {"heads", c.heads},       {"ffn", c.ffn},
-              {"vocab", c.vocab},       {"max_seq", c.max_seq},
-              {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}};
-}
-
-ModelConfig config_from_json(const json& j) {
-  ModelConfig c;
-  c.preset = j.at("preset").get<std::string>();
-  std::string arch = j.at("arch").get<std::string>();
-  OCTET_CHECK(arch == "gpt2" || arch == "llama", "checkpoint config: unknown arch '", arch, "'");
-  c.arch = arch == "gpt2" ? Arch::gpt2 : Arch::llama;
-  c.layers = j.at("layers");
-  c.dim = j.at("dim");
-  c.heads = j.at("heads");
-  c.ffn = j.at("ffn");
-  c.vocab = j.at("vocab");
-  c.max_seq = j.at("max_seq");
-  c.norm_eps = j.at("norm_eps");
-  c.rope_theta = j.at("rope_theta");
-  c.validate();
-  return c;
-}
-
-/// The FP8 state tensors of one module under checkpoint names "fp8.<module>.<pass>.<field>".
-std::vector<std::pair<std::string, Tensor>> fp8_state_tensors(const Fp8Module& module) {
-  std::vector<std::pair<std::string, Tensor>> out;
-  for (auto [pass, tag] : {std::pair{nn::Pass::forward, "fwd"}, {nn::Pass::backward, "bwd"}}) {
-    const ops::ScalingGroup& g = module.state->group(pass);
-    std::string prefix = "fp8." + module.name + "." + tag + ".";
-    out.emplace_back(prefix + "scale", g.scale);
-    out.emplace_back(prefix + "scale_inv", g.scale_inv);
-    out.emplace_back(prefix + "amax_history", g.amax_history);
-  }
-  return out;
-}
-
-/// Model, optimizer moments and where training stands: what a checkpoint holds.
-struct TrainState {
-  std::unique_ptr<GPT> model;
-  std::vector<Parameter> params;
-  std::vector<Tensor> adam_m, adam_v;
-  int64_t step = 0;
-  /// params and moments as the multi-tensor AdamW step takes them; built by the first step (not
-  /// checkpointed: restoring copies into the same tensors, so the table stays valid).
-  std::vector<ops::AdamWTensor> adamw;
-};
-
-std::vector<std::pair<std::string, Tensor>> checkpoint_tensors(TrainState& s) {
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    tensors.emplace_back("param." + s.params[i].name, s.params[i].value);
-    tensors.emplace_back("adam_m." + s.params[i].name, s.adam_m[i]);
-    tensors.emplace_back("adam_v." + s.params[i].name, s.adam_v[i]);
-  }
-  for (const Fp8Module& m : s.model->fp8_modules())
-    for (auto& t : fp8_state_tensors(m)) tensors.push_back(std::move(t));
-  return tensors;
-}
-
-/// Copies every tensor of `s` from the checkpoint, checking shapes first so a mismatched file
-/// changes nothing.
-void restore_tensors(const SafetensorsFile& file, TrainState& s) {
-  auto tensors = checkpoint_tensors(s);
-  for (const auto& [name, t] : tensors) {
-    OCTET_CHECK(file.contains(name), "checkpoint ", file.path(), " has no tensor '", name,
-                "': it was written for another model or precision");
-    OCTET_CHECK(file.shape(name) == t.shape() && file.dtype(name) == t.dtype(), "checkpoint ",
-                file.path(), ": tensor '", name, "' is ", dtype_name(file.dtype(name)),
-                shape_str(file.shape(name)), ", expected ", dtype_name(t.dtype()),
-                shape_str(t.shape()));
-  }
-  for (auto& [name, t] : tensors) {
-    Tensor target = t;
-    target.copy_from(file.get(name));
-  }
-}
-
-std::string metadata_at(const SafetensorsFile& file, const std::string& key) {
-  auto it = file.metadata().find(key);
-  OCTET_CHECK(it != file.metadata().end(), "checkpoint ", file.path(), " lacks metadata '", key,
-              "': not an octet training checkpoint");
-  return it->second;
-}
-
-Tensor ids_tensor(const std::vector<int32_t>& ids, int64_t rows) {
-  Tensor t = Tensor::empty({rows}, DType::i32);
-  std::copy(ids.begin(), ids.end(), t.data<int32_t>());
-  return t;
-}
-
-/// Greedy (temperature 0) or sampled continuation of `prompt` (byte-level vocabularies).
-std::string generate_text(GPT& model, const std::string& prompt, int64_t max_new,
-                          double temperature, std::mt19937_64* rng, bool stop_at_newline) {
-  const int64_t max_seq = model.config().max_seq;
-  std::vector<int32_t> tokens(prompt.begin(), prompt.end());
-  for (int32_t& t : tokens) t = static_cast<uint8_t>(t);
-  std::string out;
-  for (int64_t n = 0; n < max_new; ++n) {
-    // Keep the last max_seq tokens; pad on the right to the FP8 token multiple (causal attention
-    // makes the padding invisible to the position we read).
-    int64_t begin = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - max_seq);
-    std::vector<int32_t> window(tokens.begin() + begin, tokens.end());
-    const int64_t length = static_cast<int64_t>(window.size());
-    int64_t padded =
-        std::min(max_seq, (length + kTokenMultiple - 1) / kTokenMultiple * kTokenMultiple);
-    padded = std::max(padded, length);
-    window.resize(padded, 0);
-    Tensor logits = model.logits_at(ids_tensor(window, padded), 1, padded, length - 1);
-    const float* l = logits.data<float>();
-    const int64_t vocab = logits.size(-1);
-    int64_t next = 0;
-    if (temperature <= 0) {
-      for (int64_t v = 1; v < vocab; ++v)
-        if (l[v] > l[next]) next = v;
-    } else {
-      std::vector<double> p(vocab);
-      double m = *std::max_element(l, l + vocab);
-      for (int64_t v = 0; v < vocab; ++v) p[v] = std::exp((l[v] - m) / temperature);
-      next = std::discrete_distribution<int64_t>(p.begin(), p.end())(*rng);
-    }
-    if (next > 255) next = '?';  // byte-level output only
-    tokens.push_back(static_cast<int32_t>(next));
-    out.push_back(static_cast<char>(next));
-    if (stop_at_newline && next == '\n') break;
-  }
-  return out;
-}
-
-double validation_loss(GPT& model, TokenSource& data, int64_t batch, int64_t seq, int64_t batches) {
-  const int64_t count = std::min(batches, data.val_batch_count(batch, seq));
-  double total = 0;
-  for (int64_t i = 0; i < count; ++i) {
-    Batch b = data.val_batch(i, static_cast<int>(batch), static_cast<int>(seq));
-    total += model.evaluate(b.inputs.view({-1}), b.targets.view({-1}), batch, seq);
-  }
-  return total / static_cast<double>(count);
-}
-
-/// The builtin corpus's measurable skill: greedy answers to held-out arithmetic prompts. Exact
-/// match is the headline; the fraction of answer characters in the right place shows progress
-/// long before whole answers come out right (a model that only learned the format scores ~10%).
-void print_arithmetic_skill(GPT& model) {
-  std::map<std::string, std::string> answers;
-  for (const ArithmeticProblem& p : arithmetic_problems(kArithmeticProblems))
-    answers[p.prompt] = p.answer;
-  int64_t chars = 0, right = 0;
-  const double exact = evaluate_arithmetic(
-      [&](const std::string& prompt, int max_new) {
-        std::string got = generate_text(model, prompt, max_new, 0.0, nullptr, true);
-        const std::string& answer = answers.at(prompt);
-        for (size_t i = 0; i < answer.size(); ++i, ++chars)
-          right += i < got.size() && got[i] == answer[i];
-        return got;
-      },
-      kArithmeticProblems);
-  std::printf(
-      "builtin arithmetic (%d held-out problems): exact match %.1f%%, answer characters "
-      "right %.1f%%\n",
-      kArithmeticProblems, 100.0 * exact,
-      100.0 * static_cast<double>(right) / static_cast<double>(std::max<int64_t>(chars, 1)));
-}
 
 json cast_json(const nn::CastStats& c) {
   return json{{"amax", c.amax},
@@ -244,51 +63,11 @@ void check_run_shape(const TrainOptions& o, const ModelConfig& config, const Pre
   OCTET_CHECK(o.seq <= config.max_seq, "seq (", o.seq, ") is larger than the position table of ",
               config.preset, " (max_seq ", config.max_seq, ")");
   OCTET_CHECK(o.lr > 0 && std::isfinite(o.lr), "lr must be positive, got ", o.lr);
+  OCTET_CHECK(o.keep >= 0, "keep must be 0 (keep every checkpoint) or more, got ", o.keep);
   if (p.kind == Precision::Kind::fp8)
     OCTET_CHECK((o.batch * o.seq) % kTokenMultiple == 0, "FP8 GEMMs need batch*seq to be a ",
                 "multiple of ", kTokenMultiple, ", got ", o.batch, "*", o.seq, " = ",
                 o.batch * o.seq);
-}
-
-std::map<std::string, std::string> run_metadata(const TrainOptions& o, const ModelConfig& config,
-                                                const Precision& p, const TokenSource& data,
-                                                int64_t step) {
-  return {{"config", config_json(config).dump()},
-          {"precision", p.name()},
-          {"recipe", p.kind == Precision::Kind::fp8 ? p.recipe.describe() : ""},
-          {"step", std::to_string(step)},
-          {"seed", std::to_string(o.seed)},
-          {"data", o.data},
-          {"data_position", to_string(data.position())},
-          {"batch", std::to_string(o.batch)},
-          {"seq", std::to_string(o.seq)},
-          {"accum", std::to_string(o.accum)},
-          {"lr", format_double(o.lr)},
-          {"warmup", std::to_string(o.warmup)},
-          {"weight_decay", format_double(o.weight_decay)},
-          {"grad_clip", format_double(o.grad_clip)}};
-}
-
-/// The recipe description of `precision`'s defaults ("" for bf16 and fp32).
-std::string default_recipe_description(const std::string& precision) {
-  const Precision p = Precision::from_name(precision);
-  return p.kind == Precision::Kind::fp8 ? p.recipe.describe() : "";
-}
-
-/// Fields that must agree between a checkpoint and the run resuming it (or the continuation is
-/// not the same training run).
-void check_resume_compatible(const SafetensorsFile& file,
-                             const std::map<std::string, std::string>& expected) {
-  for (const char* key : {"config", "precision", "recipe", "data", "batch", "seq", "accum", "lr",
-                          "warmup", "weight_decay", "grad_clip", "seed"}) {
-    // Checkpoints from before the recipe's knobs were stored ran the precision's default recipe.
-    const bool defaulted = std::string_view(key) == "recipe" && !file.metadata().contains(key);
-    std::string have = defaulted ? default_recipe_description(metadata_at(file, "precision"))
-                                 : metadata_at(file, key);
-    OCTET_CHECK(have == expected.at(key), "checkpoint ", file.path(),
-                " is from an incompatible run: ", key, " is ", have, " there, but ",
-                expected.at(key), " here");
-  }
 }
 
 std::string human_count(double n) {
@@ -356,19 +135,6 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
   return r;
 }
 
-/// Model and zeroed AdamW moments on `device`.
-TrainState make_train_state(const ModelConfig& config, const Precision& precision,
-                            const Device& device, uint64_t seed, bool recompute) {
-  TrainState s;
-  s.model = std::make_unique<GPT>(config, precision, device, seed, recompute);
-  s.params = s.model->parameters();
-  for (const Parameter& p : s.params) {
-    s.adam_m.push_back(Tensor::zeros(p.value.shape(), DType::f32, device));
-    s.adam_v.push_back(Tensor::zeros(p.value.shape(), DType::f32, device));
-  }
-  return s;
-}
-
 }  // namespace
 
 TrainOptions resolve_defaults(TrainOptions o) {
@@ -379,8 +145,8 @@ TrainOptions resolve_defaults(TrainOptions o) {
   if (o.steps == 0) o.steps = on_gpu ? kGpuSteps : kCpuSteps;
   if (o.batch == 0) o.batch = on_gpu ? kGpuBatch : kCpuBatch;
   if (o.seq == 0) o.seq = on_gpu ? kGpuSeq : kCpuSeq;
-  if (o.lr == 0) o.lr = on_gpu ? kGpuLr : kCpuLr;
-  if (o.warmup < 0) o.warmup = std::min<int64_t>(kDefaultWarmup, o.steps);
+  if (o.lr == 0) o.lr = default_learning_rate(o.dim ? o.dim : model_preset(o.model).dim);
+  if (o.warmup < 0) o.warmup = kDefaultWarmup;
   return o;
 }
 
@@ -490,16 +256,13 @@ void train(const TrainOptions& options) {
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
 
   fs::create_directories(o.out);
-  const std::string checkpoint_path = (fs::path(o.out) / kCheckpointFile).string();
   std::optional<int64_t> resume_step;
+  std::string resumed_from;
   if (!o.resume.empty()) {
-    SafetensorsFile file = load_safetensors(o.resume);
-    check_resume_compatible(file, run_metadata(o, config, precision, *data, 0));
-    restore_tensors(file, s);
-    s.step = std::stoll(metadata_at(file, "step"));
-    data->set_position(parse_data_position(metadata_at(file, "data_position")));
-    resume_step = s.step;
-    OCTET_CHECK(s.step < o.steps, "checkpoint ", o.resume, " is at step ", s.step,
+    resumed_from = resolve_checkpoint(o.resume);
+    const SafetensorsFile file = load_safetensors(resumed_from);
+    resume_step = resume_from(file, run_metadata(o, config, precision, *data, 0), s, *data);
+    OCTET_CHECK(s.step < o.steps, "checkpoint ", resumed_from, " is at step ", s.step,
                 ", nothing to do for --steps ", o.steps);
   }
 
@@ -509,10 +272,15 @@ void train(const TrainOptions& options) {
   if (nn::disabled_fusions() != "none")
     std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                 nn::disabled_fusions().c_str());
-  std::printf("  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g, out %s%s\n",
-              (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
-              o.out.c_str(),
-              resume_step ? (", resumed at step " + std::to_string(*resume_step)).c_str() : "");
+  const std::string lr_origin =
+      options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
+  std::printf(
+      "  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g%s, warmup %lld, out %s%s\n",
+      (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
+      lr_origin.c_str(), (long long)o.warmup, o.out.c_str(),
+      resume_step
+          ? (", resumed at step " + std::to_string(*resume_step) + " from " + resumed_from).c_str()
+          : "");
   std::fflush(stdout);
 
   MetricsWriter metrics((fs::path(o.out) / "metrics.jsonl").string(), resume_step);
@@ -521,9 +289,12 @@ void train(const TrainOptions& options) {
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   double first_loss = NAN, last_loss = NAN;
 
+  fs::path checkpoint_path;
+  int64_t saved_step = -1;
   auto save = [&] {
-    save_safetensors(checkpoint_path, checkpoint_tensors(s),
-                     run_metadata(o, config, precision, *data, s.step));
+    checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
+                                      run_metadata(o, config, precision, *data, s.step), o.keep);
+    saved_step = s.step;
   };
 
   while (s.step < o.steps) {
@@ -553,7 +324,7 @@ void train(const TrainOptions& options) {
     if (o.save_every > 0 && step % o.save_every == 0) save();
   }
   progress.finish();
-  save();
+  if (saved_step != s.step) save();
 
   const double val = validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches);
   metrics.write(s.step, {{"val_loss", val}});
@@ -567,23 +338,6 @@ void train(const TrainOptions& options) {
   if (plot_loss(metrics.path(), png)) std::printf("loss plot: %s\n", png.c_str());
   std::printf("metrics: %s (%s tokens trained)\n", metrics.path().c_str(),
               human_count(tokens_per_step * static_cast<double>(o.steps)).c_str());
-}
-
-/// The op profiler's totals over `steps` steps of `step_ms` median wall time each, as a table.
-void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms) {
-  double total = 0;
-  for (const auto& t : ops) total += t.ms;
-  std::fprintf(stderr, "%-48s %9s %10s %7s\n", "op", "calls/step", "ms/step", "% step");
-  for (const auto& t : ops) {
-    const double ms = t.ms / static_cast<double>(steps);
-    std::fprintf(stderr, "%-48s %9.1f %10.3f %6.1f%%\n", t.op.c_str(),
-                 static_cast<double>(t.calls) / static_cast<double>(steps), ms,
-                 100.0 * ms / step_ms);
-  }
-  const double in_ops = total / static_cast<double>(steps);
-  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "all ops", "", in_ops,
-               100.0 * in_ops / step_ms);
-  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "step (median wall time)", "", step_ms, 100.0);
 }
 
 void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
@@ -610,14 +364,19 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     profiler::set_enabled(false);
     print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
   }
-  const double peak_gib = static_cast<double>(device_peak_bytes(device)) / (1 << 30);
-  std::printf(
-      "{\"bench\":\"train\",\"model\":\"%s\",\"precision\":\"%s\",\"device\":\"%s\","
-      "\"batch\":%lld,\"seq\":%lld,\"accum\":%lld,\"recompute\":%s,\"steps\":%lld,"
-      "\"tokens_per_s\":%.9g,\"peak_gib\":%.4f,\"params\":%lld,\"last_loss\":%.6g}\n",
-      config.preset.c_str(), precision.name().c_str(), device.str().c_str(), (long long)o.batch,
-      (long long)o.seq, (long long)o.accum, o.recompute ? "true" : "false", (long long)o.steps,
-      median, peak_gib, (long long)config.parameter_count(), loss);
+  TrainBenchResult result{config.preset,
+                          precision.name(),
+                          device.str(),
+                          o.batch,
+                          o.seq,
+                          o.accum,
+                          o.steps,
+                          config.parameter_count(),
+                          o.recompute,
+                          median,
+                          static_cast<double>(device_peak_bytes(device)) / (1 << 30),
+                          loss};
+  print_train_bench(result);
 }
 
 }  // namespace
@@ -628,104 +387,6 @@ void run_train(const TrainOptions& options) {
 
 void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
   with_memory_advice(options, [&] { train_benchmark(options, warmup_steps, profile); });
-}
-
-namespace {
-/// A model restored from a checkpoint for eval/generate.
-struct LoadedModel {
-  ModelConfig config;
-  Precision precision;
-  std::unique_ptr<GPT> model;
-  std::map<std::string, std::string> metadata;
-};
-
-LoadedModel load_model(const std::string& path, const std::string& device_name) {
-  SafetensorsFile file = load_safetensors(path);
-  LoadedModel m;
-  m.metadata = file.metadata();
-  json config;
-  try {
-    config = json::parse(metadata_at(file, "config"));
-    m.config = config_from_json(config);
-  } catch (const json::exception& e) {
-    OCTET_ERROR("checkpoint ", path, ": unreadable config metadata (", e.what(), ")");
-  }
-  m.precision = Precision::from_name(metadata_at(file, "precision"));
-  std::string dev =
-      device_name == "auto" ? (cuda_device_count() > 0 ? "cuda" : "cpu") : device_name;
-  const Device device = Device::parse(dev);
-  check_device_available(device);
-  TrainState s = make_train_state(m.config, m.precision, device, 0, false);
-  restore_tensors(file, s);
-  s.model->on_weights_updated();
-  m.model = std::move(s.model);
-  return m;
-}
-}  // namespace
-
-void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches) {
-  LoadedModel m = load_model(checkpoint, device);
-  const std::string spec = m.metadata.at("data");
-  auto data = make_token_source(spec, std::stoull(m.metadata.at("seed")));
-  const int64_t batch = std::stoll(m.metadata.at("batch")), seq = std::stoll(m.metadata.at("seq"));
-  std::printf("%s, step %s, %s precision\n", m.config.describe().c_str(),
-              m.metadata.at("step").c_str(), m.precision.name().c_str());
-  std::printf("val loss: %.4f over %lld batch(es) of %s\n",
-              validation_loss(*m.model, *data, batch, seq, batches),
-              (long long)std::min(batches, data->val_batch_count(batch, seq)), spec.c_str());
-  if (spec == "builtin") print_arithmetic_skill(*m.model);
-}
-
-void run_generate(const std::string& checkpoint, const std::string& device,
-                  const std::string& prompt, int64_t tokens, double temperature, uint64_t seed) {
-  OCTET_CHECK(tokens > 0, "tokens must be positive, got ", tokens);
-  LoadedModel m = load_model(checkpoint, device);
-  OCTET_CHECK(!prompt.empty(), "the prompt must not be empty");
-  std::mt19937_64 rng(seed);
-  std::string text = generate_text(*m.model, prompt, tokens, temperature, &rng, false);
-  std::printf("%s%s\n", prompt.c_str(), text.c_str());
-}
-
-void run_inspect(const std::string& checkpoint) {
-  SafetensorsFile file = load_safetensors(checkpoint);
-  ModelConfig config;
-  try {
-    config = config_from_json(json::parse(metadata_at(file, "config")));
-  } catch (const json::exception& e) {
-    OCTET_ERROR("checkpoint ", checkpoint, ": unreadable config metadata (", e.what(), ")");
-  }
-  std::printf("checkpoint: %s\n", checkpoint.c_str());
-  std::printf("model:      %s\n", config.describe().c_str());
-  for (const char* key : {"precision", "step", "data", "batch", "seq", "accum", "lr", "seed"})
-    std::printf("%-11s %s\n", (std::string(key) + ":").c_str(), metadata_at(file, key).c_str());
-  std::printf("tensors:    %zu\n\n", file.names().size());
-  bool any = false;
-  std::printf("%-28s %12s %12s %12s %12s %12s %12s\n", "FP8 module", "in.scale", "in.amax",
-              "w.scale", "w.amax", "grad.scale", "grad.amax");
-  for (const std::string& name : file.names()) {
-    const std::string suffix = ".fwd.scale";
-    if (name.rfind("fp8.", 0) != 0 || name.size() < suffix.size() ||
-        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    any = true;
-    const std::string module = name.substr(4, name.size() - 4 - suffix.size());
-    const std::string prefix = "fp8." + module;
-    std::vector<float> fwd_scale = host_values_f32(file.get(prefix + ".fwd.scale"));
-    std::vector<float> bwd_scale = host_values_f32(file.get(prefix + ".bwd.scale"));
-    // The newest finalized amaxes sit in history row 1 (row 0 collects the next pass).
-    Tensor fwd_hist = file.get(prefix + ".fwd.amax_history");
-    Tensor bwd_hist = file.get(prefix + ".bwd.amax_history");
-    auto newest = [](const Tensor& h, int col) {
-      std::vector<float> v = host_values_f32(h);
-      const int64_t cols = h.size(-1);
-      return h.size(0) > 1 ? v[cols + col] : v[col];
-    };
-    std::printf("%-28s %12.5g %12.5g %12.5g %12.5g %12.5g %12.5g\n", module.c_str(), fwd_scale[0],
-                newest(fwd_hist, 0), fwd_scale[1], newest(fwd_hist, 1), bwd_scale[0],
-                newest(bwd_hist, 0));
-  }
-  if (!any)
-    std::printf("(no FP8 state: a %s checkpoint)\n", metadata_at(file, "precision").c_str());
 }
 
 }  // namespace octet::train

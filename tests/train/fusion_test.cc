@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -64,7 +65,13 @@ struct Run {
 void expect_same_checkpoint(const fs::path& a_path, const fs::path& b_path) {
   const SafetensorsFile a = load_safetensors(a_path.string());
   const SafetensorsFile b = load_safetensors(b_path.string());
-  EXPECT_EQ(a.metadata(), b.metadata());
+  // The metadata too, but for the checksums of the tensors compared with that exception.
+  auto metadata = [](const SafetensorsFile& f) {
+    std::map<std::string, std::string> m = f.metadata();
+    std::erase_if(m, [](const auto& kv) { return kv.first.ends_with(".fwd.amax_history"); });
+    return m;
+  };
+  EXPECT_EQ(metadata(a), metadata(b));
   ASSERT_EQ(a.names(), b.names());
   const int weight_slot = fp8::role_slot(fp8::TensorRole::weight);
   for (const std::string& name : a.names()) {

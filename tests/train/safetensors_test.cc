@@ -461,8 +461,20 @@ INSTANTIATE_TEST_SUITE_P(
                     "expected __metadata__ to be an object, got array"},
         CorruptCase{"MetadataNotString", R"({"__metadata__":{"step":12}})", "",
                     "metadata 'step' must be a string, got 12"},
-        CorruptCase{"NewerFormatVersion", R"({"__metadata__":{"octet_format_version":"2"}})", "",
-                    "has octet_format_version '2'; this build reads version 1"},
+        CorruptCase{"NewerFormatVersion", R"({"__metadata__":{"octet_format_version":"3"}})", "",
+                    "has octet_format_version '3'; this build reads versions 1 and 2"},
+        CorruptCase{"ChecksumNotHex",
+                    R"({"__metadata__":{"octet_crc32c.a":"0000000g"},)"
+                    R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                    std::string(4, '\0'), "expected 8 hex digits naming a tensor of the file"},
+        CorruptCase{"ChecksumOfNoTensor",
+                    R"({"__metadata__":{"octet_crc32c.b":"00000000"},)"
+                    R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                    std::string(4, '\0'), "metadata octet_crc32c.b='00000000' expected 8 hex"},
+        CorruptCase{"Version2WithoutChecksum",
+                    R"({"__metadata__":{"octet_format_version":"2"},)"
+                    R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
+                    std::string(4, '\0'), "tensor 'a' has no octet_crc32c. metadata"},
         CorruptCase{"E8M0NoteOnF32",
                     R"({"__metadata__":{"octet_dtype.a":"e8m0"},)"
                     R"("a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",

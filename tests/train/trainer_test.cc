@@ -13,50 +13,19 @@
 #include <vector>
 
 #include "octet/core/error.h"
+#include "octet/train/commands.h"
 #include "octet/train/safetensors.h"
+#include "train/micro_run.h"
 #include "train/scratch_dir.h"
 
 namespace octet::train {
 namespace {
 
+using octet::testing::loss_lines;
+using octet::testing::micro_options;
 using octet::testing::read_file;
 using octet::testing::scratch_dir;
 using ::testing::HasSubstr;
-
-/// A model small enough to train a few steps in well under a second per step on one CPU core.
-TrainOptions micro_options(const std::filesystem::path& out, const std::string& precision) {
-  TrainOptions o;
-  o.device = "cpu";
-  o.precision = precision;
-  o.model = "tiny";
-  o.layers = 1;
-  o.dim = 32;
-  o.heads = 2;
-  o.ffn = 64;
-  o.steps = 6;
-  o.batch = 2;
-  o.seq = 16;
-  o.accum = 2;
-  o.lr = 3e-3;
-  o.warmup = 2;
-  o.out = out.string();
-  o.eval_batches = 1;
-  o.fp8_stats_every = 2;
-  return o;
-}
-
-/// The "loss" and "grad_norm" fields of every step line of a metrics file, as written (%.9g).
-std::vector<std::string> loss_lines(const std::filesystem::path& metrics) {
-  std::vector<std::string> out;
-  std::istringstream in(read_file(metrics));
-  for (std::string line; std::getline(in, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (!j.contains("loss")) continue;
-    out.push_back(std::to_string(j["step"].get<int64_t>()) + " " + j["loss"].dump() + " " +
-                  j["grad_norm"].dump());
-  }
-  return out;
-}
 
 class TrainerResume : public ::testing::TestWithParam<std::string> {};
 
@@ -76,13 +45,8 @@ TEST_P(TrainerResume, ResumedRunEqualsUninterruptedRunBitwise) {
   ASSERT_EQ(expected.size(), 6u);
   EXPECT_EQ(loss_lines(dir / "split" / "metrics.jsonl"), expected);
   // The final weights, moments and FP8 states are the same bytes too.
-  SafetensorsFile a = load_safetensors((dir / "whole" / "checkpoint.safetensors").string());
-  SafetensorsFile b = load_safetensors((dir / "split" / "checkpoint.safetensors").string());
-  ASSERT_EQ(a.names(), b.names());
-  for (const std::string& name : a.names()) {
-    Tensor ta = a.get(name), tb = b.get(name);
-    ASSERT_EQ(0, std::memcmp(ta.raw_data(), tb.raw_data(), ta.nbytes())) << name;
-  }
+  EXPECT_TRUE(octet::testing::same_checkpoint_tensors(dir / "whole" / "checkpoint.safetensors",
+                                                      dir / "split" / "checkpoint.safetensors"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, TrainerResume,

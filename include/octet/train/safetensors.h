@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,7 +23,11 @@ namespace octet::train {
 
 /// Metadata key of octet's checkpoint format version; written on save, checked on load.
 inline constexpr const char* kFormatVersionKey = "octet_format_version";
-inline constexpr const char* kFormatVersion = "1";
+/// Version 2 records a CRC-32C per tensor; version 1 files (without them) are still read.
+inline constexpr const char* kFormatVersion = "2";
+/// Metadata "octet_crc32c.<tensor name>": "<8 hex digits>", the CRC-32C (octet/train/crc32c.h)
+/// of the tensor's bytes as stored; SafetensorsFile::get verifies it.
+inline constexpr const char* kChecksumPrefix = "octet_crc32c.";
 /// safetensors has no E8M0 dtype: such tensors are stored as U8 with the metadata note
 /// "octet_dtype.<tensor name>": "e8m0", which load turns back into DType::e8m0.
 inline constexpr const char* kDTypeNotePrefix = "octet_dtype.";
@@ -36,9 +41,14 @@ inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 /// error is rethrown.
 void write_file_atomically(const std::string& path, const std::function<void(std::FILE*)>& write);
 
+/// Makes `link` a symbolic link to `target` atomically (a link "<link>.tmp.<pid>", renamed over
+/// `link`; then the directory is fsynced): readers of `link` see the old target or the new one.
+void link_atomically(const std::string& link, const std::string& target);
+
 /// Writes `tensors` (any device; copied to the host one at a time) in the given order with
-/// `metadata`, atomically. octet adds kFormatVersionKey and the E8M0 notes itself (values passed
-/// for those keys are replaced). Names must be unique, non-empty and not "__metadata__".
+/// `metadata`, atomically. octet adds kFormatVersionKey, the E8M0 notes and the checksums itself
+/// (values passed for those keys are replaced). Names must be unique, non-empty and not
+/// "__metadata__".
 void save_safetensors(const std::string& path,
                       const std::vector<std::pair<std::string, Tensor>>& tensors,
                       const std::map<std::string, std::string>& metadata);
@@ -57,7 +67,8 @@ class SafetensorsFile {
   /// Shape and dtype of a tensor without reading it.
   const Shape& shape(const std::string& name) const { return entry(name).shape; }
   DType dtype(const std::string& name) const { return entry(name).dtype; }
-  /// The tensor `name` as a new CPU tensor; throws naming the file when there is none.
+  /// The tensor `name` as a new CPU tensor; throws naming the file when there is none, and naming
+  /// the tensor when its bytes do not match their recorded checksum.
   Tensor get(const std::string& name) const;
   const std::string& path() const { return path_; }
 
@@ -68,6 +79,7 @@ class SafetensorsFile {
     Shape shape;
     uint64_t begin = 0;  ///< absolute file offset of the data
     uint64_t bytes = 0;
+    std::optional<uint32_t> checksum;  ///< from the kChecksumPrefix metadata, when recorded
   };
   const Entry& entry(const std::string& name) const;
 
@@ -80,8 +92,8 @@ class SafetensorsFile {
 
 /// Opens and validates `path`. Throws octet::Error, naming the file, for: a file shorter than
 /// 8 bytes, a header length beyond the file, invalid JSON, an unknown dtype, data offsets out of
-/// range, overlapping, leaving gaps or not matching shape x dtype size, truncated data, and an
-/// unsupported octet_format_version.
+/// range, overlapping, leaving gaps or not matching shape x dtype size, truncated data, an
+/// unsupported octet_format_version, a malformed checksum, and (version 2) a missing one.
 SafetensorsFile load_safetensors(const std::string& path);
 
 }  // namespace octet::train

@@ -1,4 +1,4 @@
-// The training loop behind `octet train`, and the checkpoint format it writes and resumes from.
+// The training loop behind `octet train` and `octet bench train`, and their options.
 #pragma once
 
 #include <cstdint>
@@ -8,6 +8,11 @@
 #include "octet/train/config.h"
 
 namespace octet::train {
+
+/// FP8 GEMM dimensions (tokens too) must be multiples of this (the cuBLASLt rule).
+inline constexpr int64_t kTokenMultiple = 16;
+/// The default of `octet train --keep`: the newest checkpoint and the one before it.
+inline constexpr int64_t kDefaultKeep = 2;
 
 /// Everything `octet train` takes. Zero / empty means "the default for the device".
 struct TrainOptions {
@@ -30,23 +35,25 @@ struct TrainOptions {
   int64_t batch = 0;
   int64_t seq = 0;
   int64_t accum = 1;
-  double lr = 0;        ///< peak learning rate
-  int64_t warmup = -1;  ///< warmup steps; -1 = 5% of steps
+  double lr = 0;        ///< peak learning rate; 0 = default_learning_rate(model width)
+  int64_t warmup = -1;  ///< warmup steps; -1 = kDefaultWarmup (20), whatever --steps is
   double weight_decay = 0.1;
   double grad_clip = 1.0;
   uint64_t seed = 1337;
   bool recompute = false;
   bool deterministic = false;
   std::string out = "runs/latest";
-  int64_t save_every = 0;  ///< 0: only at the end
-  std::string resume;      ///< checkpoint path
-  int64_t eval_every = 0;  ///< 0: only at the end
+  int64_t save_every = 0;       ///< 0: only at the end
+  int64_t keep = kDefaultKeep;  ///< checkpoints kept in `out`; 0: all
+  std::string resume;           ///< a checkpoint file, or a run directory (its newest checkpoint)
+  int64_t eval_every = 0;       ///< 0: only at the end
   int64_t eval_batches = 8;
   int64_t fp8_stats_every = 50;  ///< 0: never
   int64_t log_every = 10;        ///< plain progress lines when not on a terminal
 };
 
-/// Resolves "auto"/defaults for the machine: device, model preset, steps, batch, seq, lr.
+/// Resolves "auto"/defaults for the machine: device, model preset, steps, batch, seq; and the
+/// learning rate (by the model's width) and warmup.
 TrainOptions resolve_defaults(TrainOptions options);
 /// Builds the model config from a preset plus overrides; `data_vocab` fills vocab when neither
 /// the user nor a byte-level preset set it. Validates (throws octet::Error).
@@ -62,13 +69,5 @@ void run_train(const TrainOptions& options);
 /// timed steps also run under the op profiler (which adds a little overhead) and a table of the
 /// device time per op and step goes to stderr.
 void run_train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile = false);
-
-/// `octet eval`: val loss of a checkpoint (and arithmetic accuracy for the builtin corpus).
-void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches);
-/// `octet generate`: samples `tokens` tokens after `prompt` (byte-level vocabularies).
-void run_generate(const std::string& checkpoint, const std::string& device,
-                  const std::string& prompt, int64_t tokens, double temperature, uint64_t seed);
-/// `octet inspect`: the config and a table of the FP8 state per layer.
-void run_inspect(const std::string& checkpoint);
 
 }  // namespace octet::train

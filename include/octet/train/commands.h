@@ -1,0 +1,41 @@
+// The commands that use a trained model or report on training: `octet eval`, `octet generate`,
+// `octet inspect`, and the printing of `octet bench train`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "octet/core/profiler.h"
+#include "octet/train/data.h"
+#include "octet/train/model.h"
+
+namespace octet::train {
+
+/// `octet eval`: val loss of a checkpoint (and arithmetic accuracy for the builtin corpus).
+void run_eval(const std::string& checkpoint, const std::string& device, int64_t batches);
+/// `octet generate`: samples `tokens` tokens after `prompt` (byte-level vocabularies).
+void run_generate(const std::string& checkpoint, const std::string& device,
+                  const std::string& prompt, int64_t tokens, double temperature, uint64_t seed);
+/// `octet inspect`: the config and a table of the FP8 state per layer.
+void run_inspect(const std::string& checkpoint);
+
+/// Mean val loss over the first `batches` validation batches (fewer when the split is smaller).
+double validation_loss(GPT& model, TokenSource& data, int64_t batch, int64_t seq, int64_t batches);
+/// The builtin corpus's measurable skill, printed: greedy answers to held-out arithmetic prompts.
+void print_arithmetic_skill(GPT& model);
+
+/// The op profiler's totals over `steps` steps of `step_ms` median wall time each, as a table on
+/// stderr.
+void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms);
+
+/// What `octet bench train` measured, printed as its one JSON line.
+struct TrainBenchResult {
+  std::string model, precision, device;
+  int64_t batch = 0, seq = 0, accum = 0, steps = 0, params = 0;
+  bool recompute = false;
+  double tokens_per_s = 0, peak_gib = 0, last_loss = 0;
+};
+void print_train_bench(const TrainBenchResult& r);
+
+}  // namespace octet::train
