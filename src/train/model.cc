@@ -208,6 +208,7 @@ struct GPT::Impl {
   Tensor next_head_cast;
   bool collect_stats = false;
   std::vector<Fp8InputStats> stats;
+  ActivationHook activation_hook;
 
   Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute);
 
@@ -363,9 +364,12 @@ Tensor GPT::Impl::trunk(const Tensor& ids, int64_t batch, int64_t seq, nn::Forwa
   std::vector<nn::LinearObserver> observers;
   if (collect_stats && fp8 && mode == nn::ForwardMode::normal) observers = stats_observers();
   saved.resize(blocks.size());
-  for (size_t l = 0; l < blocks.size(); ++l)
+  for (size_t l = 0; l < blocks.size(); ++l) {
     x = blocks[l].forward(x, batch, seq, saved[l], mode,
                           observers.empty() ? nullptr : &observers[l]);
+    if (activation_hook && mode == nn::ForwardMode::normal)
+      activation_hook(static_cast<int64_t>(l), x);
+  }
   return x;
 }
 
@@ -546,6 +550,8 @@ std::vector<ParamCast> GPT::next_casts() {
   }
   return casts;
 }
+
+void GPT::set_activation_hook(ActivationHook hook) { impl_->activation_hook = std::move(hook); }
 
 void GPT::on_weights_updated(nn::PreparedCast prepared) {
   Impl& m = *impl_;
