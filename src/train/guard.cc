@@ -50,6 +50,7 @@ std::vector<GuardFlag> GradientGuard::observe(int64_t step, std::span<const floa
               " squared norms (", microbatches_, " microbatches x ", groups, " groups), got ",
               norm_sq.size());
   std::vector<GuardFlag> flags;
+  max_z_ = 0;
   for (size_t g = 0; g < groups; ++g) {
     bool flagged = false;
     for (int64_t m = 0; m < microbatches_; ++m) {
@@ -60,6 +61,7 @@ std::vector<GuardFlag> GradientGuard::observe(int64_t step, std::span<const floa
       Band& band = bands_[slot];
       const Band before = band;
       const double z = test_and_learn(band, std::log(norm));
+      max_z_ = std::max(max_z_, z);
       if (flagged || z <= config_.z) continue;
       flagged = true;
       flags.push_back({step, layers_[g], m, z, norm, std::exp(before.mean),

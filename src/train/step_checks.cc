@@ -77,8 +77,7 @@ std::vector<Tensor> fp8_state_tensors(const nn::FP8State& state) {
   std::vector<Tensor> tensors;
   for (nn::Pass pass : {nn::Pass::forward, nn::Pass::backward}) {
     const ops::ScalingGroup& g = state.group(pass);
-    for (const Tensor& t : {g.scale, g.scale_inv, g.amax_history, state.last_amax(pass)})
-      tensors.push_back(t);
+    for (const Tensor& t : {g.scale, g.scale_inv, g.amax_history}) tensors.push_back(t);
   }
   return tensors;
 }
@@ -169,6 +168,7 @@ StepVerdict StepChecks::finish(int64_t step, double loss) {
     v.skip = SkipReason::nonfinite_amax;
   } else if (guard_) {
     v.flags = guard_->observe(step, std::span(host).subspan(kGuardSlots));
+    v.guard_z = guard_->max_z();
     if (guard_skips_ && !v.flags.empty()) v.skip = SkipReason::guard;
   }
   return v;
@@ -191,6 +191,7 @@ void SkipLog::record(int64_t step, const StepVerdict& v, double loss,
     fields.emplace_back("skip_reason", skip_reason_name(v.skip));
     fields.emplace_back("skips_total", total_);
   }
+  if (v.guard_z) fields.emplace_back("guard_z", *v.guard_z);
   if (!v.flags.empty()) fields.emplace_back("guard", flags_json(v.flags));
   for (const GuardFlag& f : v.flags) std::printf("%s\n", describe_flag(f).c_str());
   if (v.skipped())

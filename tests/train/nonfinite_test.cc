@@ -202,7 +202,7 @@ TEST(MaxSkipsCli, NonZeroExitOneErrorLineAndALogLinePerSkip) {
 
 // ----------------------------------------------------------------------------
 // Fp8Snapshot on its own: after a whole microbatch moved every FP8 state (amax histories rolled,
-// scales moved to fresh storage, last amaxes rewritten), restore() puts back every byte.
+// forward scales moved to fresh storage, scale_invs rewritten), restore() puts back every byte.
 
 class Fp8SnapshotTest : public ::testing::TestWithParam<std::string> {};
 

@@ -100,10 +100,13 @@ TEST(Soak, TinyFp8RecomputeResumedEvery50StepsStaysFiniteContinuousAndFlat) {
   const auto lines = octet::testing::step_lines(dir / "metrics.jsonl");
   ASSERT_EQ(static_cast<int64_t>(lines.size()), kSegments * kSegmentSteps);
   std::vector<double> losses;
+  double max_z = 0;
   for (size_t i = 0; i < lines.size(); ++i) {
     EXPECT_EQ(lines[i]["step"], static_cast<int64_t>(i) + 1);
     EXPECT_FALSE(lines[i].contains("skipped")) << lines[i];
     EXPECT_FALSE(lines[i].contains("guard")) << lines[i];
+    ASSERT_TRUE(lines[i].contains("guard_z")) << lines[i];
+    max_z = std::max(max_z, lines[i]["guard_z"].get<double>());
     ASSERT_TRUE(lines[i]["loss"].is_number()) << lines[i];
     losses.push_back(lines[i]["loss"].get<double>());
     EXPECT_TRUE(std::isfinite(losses.back()));
@@ -111,6 +114,9 @@ TEST(Soak, TinyFp8RecomputeResumedEvery50StepsStaysFiniteContinuousAndFlat) {
   // Falling: the last 25 steps' mean loss well under the first 25's (ln 256 = 5.5 at the start).
   EXPECT_LT(mean(losses, losses.size() - 25, losses.size()), 0.7 * mean(losses, 0, 25));
 
+  std::printf(
+      "soak: loss %.3f over the first 25 steps, %.3f over the last 25; largest guard z %.2f\n",
+      mean(losses, 0, 25), mean(losses, losses.size() - 25, losses.size()), max_z);
   for (size_t i = 0; i < peaks.size(); ++i)
     std::printf("soak: run %zu peak resident memory %.1f MiB\n", i + 1, peaks[i]);
   for (size_t i = 2; i < peaks.size(); ++i)

@@ -29,9 +29,11 @@ enum class SkipReason : uint8_t { none, nonfinite_loss, nonfinite_grad, nonfinit
 /// "non-finite loss", "non-finite gradient", "non-finite amax", "gradient guard".
 const char* skip_reason_name(SkipReason reason);
 
-/// The FP8 state of a set of modules (scale, scale_inv, amax history and last amax of both
-/// passes), copied on each state's own device with stream-ordered copies (no host sync), so a
-/// skipped step can put every byte back.
+/// The FP8 state of a set of modules that the next steps compute with (scale, scale_inv and amax
+/// history of both passes), copied on each state's own device with stream-ordered copies (no host
+/// sync), so a skipped step can put every byte back. Each state's last amax (statistics of the
+/// last pass, FP8State::last_amax) is not kept: after a skip it reports the skipped pass, which
+/// is what that step's metrics should show, and the next pass overwrites it whole.
 class Fp8Snapshot {
  public:
   /// Copies the states now (the copy buffers are allocated by the first capture and reused).
@@ -63,6 +65,9 @@ struct StepVerdict {
   bool skipped() const { return skip != SkipReason::none; }
   double grad_norm = 0;          ///< the global gradient norm (NaN/inf when not finite)
   std::vector<GuardFlag> flags;  ///< the guard's flags (also when the step is not skipped)
+  /// With the guard on and the step's norms finite: the largest z of any layer and microbatch
+  /// (0 while the bands warm up), how close the step came to being flagged.
+  std::optional<double> guard_z;
 };
 
 /// Per-run state of the checks; one per training run, driven by train_step:
@@ -115,8 +120,8 @@ class SkipLog {
   /// resumed run's metrics hold its earlier ones).
   SkipLog(int64_t max_skips, int64_t total);
   /// Counts `step`'s verdict; adds "skipped", "skip_reason" and "skips_total" to `fields` when it
-  /// was skipped and "guard" when the guard flagged it, and prints one stdout line per skip and
-  /// per flag.
+  /// was skipped, "guard_z" when the guard measured it and "guard" when the guard flagged it, and
+  /// prints one stdout line per skip and per flag.
   void record(int64_t step, const StepVerdict& verdict, double loss,
               std::vector<std::pair<std::string, MetricValue>>& fields);
   /// True when the last max_skips steps were all skipped.
