@@ -73,6 +73,19 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--log-every", o.log_every, "progress line every N steps off a terminal")
       ->capture_default_str();
+  cmd->add_option("--max-skips", o.max_skips,
+                  "stop after N skipped (non-finite) steps in a row (0: never)")
+      ->capture_default_str();
+  cmd->add_flag("--guard", o.guard,
+                "flag layers whose gradient norm leaves its running band (metrics.jsonl)");
+  cmd->add_flag("--guard-skip", o.guard_skip, "--guard, and skip the flagged steps");
+  cmd->add_option("--guard-z", o.guard_z, "z-score above the band that flags")
+      ->capture_default_str();
+  cmd->add_option("--guard-warmup", o.guard_warmup, "steps that build the band before it flags")
+      ->capture_default_str();
+  cmd->add_option("--inject", o.inject,
+                  "testing aid: faults to inject, KIND@STEPS[:MICROBATCH][/LAYER] (see "
+                  "docs/RELIABILITY.md)");
 }
 
 }  // namespace

@@ -281,6 +281,14 @@ void MetricsWriter::write(int64_t step, const MetricFields& fields) {
     OCTET_ERROR("writing metrics file '", path_, "' failed: ", std::strerror(errno));
 }
 
+int64_t count_true(const std::string& metrics_path, const std::string& key) {
+  if (!std::filesystem::exists(metrics_path)) return 0;
+  int64_t count = 0;
+  for (const auto& [line, j] : metrics_lines(metrics_path))
+    count += j.is_object() && j.contains(key) && j[key].is_boolean() && j[key].get<bool>();
+  return count;
+}
+
 // ----------------------------------------------------------------------------
 // Progress
 

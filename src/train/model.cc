@@ -186,6 +186,7 @@ struct GPT::Impl {
   bool collect_stats = false;
   /// Per block, per LinearSlot: the statistics of the last microbatch that collected them.
   std::vector<std::array<Fp8LayerStats, nn::kBlockLinears>> stats;
+  ActivationHook activation_hook;
 
   Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute);
 
@@ -344,9 +345,12 @@ Tensor GPT::Impl::trunk(const Tensor& ids, int64_t batch, int64_t seq, nn::Forwa
   std::vector<nn::LinearObserver> observers;
   if (collect_stats && fp8 && mode == nn::ForwardMode::normal) observers = stats_observers();
   saved.resize(blocks.size());
-  for (size_t l = 0; l < blocks.size(); ++l)
+  for (size_t l = 0; l < blocks.size(); ++l) {
     x = blocks[l].forward(x, batch, seq, saved[l], mode,
                           observers.empty() ? nullptr : &observers[l]);
+    if (activation_hook && mode == nn::ForwardMode::normal)
+      activation_hook(static_cast<int64_t>(l), x);
+  }
   return x;
 }
 
@@ -547,6 +551,8 @@ std::vector<ParamCast> GPT::next_casts() {
   }
   return casts;
 }
+
+void GPT::set_activation_hook(ActivationHook hook) { impl_->activation_hook = std::move(hook); }
 
 void GPT::on_weights_updated(nn::PreparedCast prepared) {
   Impl& m = *impl_;

@@ -23,6 +23,7 @@
 #include "octet/train/model.h"
 #include "octet/train/safetensors.h"
 #include "octet/train/schedule.h"
+#include "octet/train/step_checks.h"
 
 namespace octet::train {
 namespace {
@@ -82,30 +83,42 @@ std::string human_count(double n) {
 }
 
 struct StepResult {
-  double loss = 0, grad_norm = 0, lr = 0;
+  double loss = 0, lr = 0;
+  StepVerdict verdict;  ///< the grad norm, whether the step was skipped, the guard's flags
 };
 
-/// One optimizer step: `accum` microbatches, the global grad norm, AdamW with clipping.
-StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
-                      const Tensor& norm_sq) {
+/// One optimizer step: `accum` microbatches, the checks, AdamW with clipping. A step that fails
+/// the checks (a non-finite loss, gradient norm or amax; the guard, when it skips) is skipped:
+/// AdamW does not run, so weights and moments stay as they were, and the FP8 state goes back to
+/// its snapshot from before the step.
+StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, StepChecks& checks) {
   const int64_t step = s.step + 1;
   StepResult r;
+  checks.begin_step(step);
   // The Linear weight gradients are overwritten by the first microbatch's wgrad GEMMs instead of
   // zeroed first (a 5.9 GB pass at GPT-2 1.5B); settle_grads() covers any that did not run.
   s.model->zero_grad(nn::ZeroGrad::on_next_write);
   for (int64_t micro = 0; micro < o.accum; ++micro) {
     Batch b = data.next_batch(static_cast<int>(o.batch), static_cast<int>(o.seq));
+    checks.before_microbatch(step, micro);
     r.loss += s.model->train_microbatch(b.inputs.view({-1}), b.targets.view({-1}), o.batch, o.seq,
                                         1.0f / static_cast<float>(o.accum));
+    if (checks.guarding()) s.model->settle_grads();  // the guard reads them now
+    checks.after_microbatch(step, micro);
   }
   r.loss /= static_cast<double>(o.accum);
   s.model->settle_grads();
-
-  std::vector<Tensor> grads;
-  for (const Parameter& p : s.params) grads.push_back(p.grad);
-  Tensor(norm_sq).zero();
-  ops::global_norm_squared(grads.data(), static_cast<int>(grads.size()), norm_sq);
   r.lr = learning_rate(o.lr, o.warmup, step);
+  r.verdict = checks.finish(step, r.loss);  // reads the grad norm: the step's one host sync
+  s.step = step;
+  if (r.verdict.skipped()) {
+    // The next forward casts the weights again from the untouched masters with the restored
+    // scales, exactly as this step's forward did.
+    checks.restore_fp8();
+    s.model->on_weights_updated(nn::PreparedCast::dropped);
+    return r;
+  }
+
   if (s.adamw.empty()) {
     for (size_t i = 0; i < s.params.size(); ++i) {
       const float decay = s.params[i].weight_decay ? static_cast<float>(o.weight_decay) : 0.0f;
@@ -128,10 +141,8 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o,
   args.eps = kAdamEps;
   args.step = step;
   args.max_grad_norm = static_cast<float>(o.grad_clip);
-  ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), norm_sq, args);
+  ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), checks.norm_sq(), args);
   s.model->on_weights_updated(nn::PreparedCast::written);
-  r.grad_norm = std::sqrt(static_cast<double>(item_f32(norm_sq)));  // waits for the step
-  s.step = step;
   return r;
 }
 
@@ -285,16 +296,26 @@ void train(const TrainOptions& options) {
 
   MetricsWriter metrics((fs::path(o.out) / "metrics.jsonl").string(), resume_step);
   ProgressDisplay progress(o.steps, o.log_every);
-  Tensor norm_sq = Tensor::zeros({1}, DType::f32, device);
+  StepChecks checks(*s.model, s.params, o);
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   double first_loss = NAN, last_loss = NAN;
-
+  // A resumed run goes on counting the skips its metrics hold.
+  SkipLog skips(o.max_skips, count_true(metrics.path(), "skipped"));
   fs::path checkpoint_path;
   int64_t saved_step = -1;
   auto save = [&] {
     checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
                                       run_metadata(o, config, precision, *data, s.step), o.keep);
     saved_step = s.step;
+  };
+  auto intact_checkpoint = [&]() -> std::string {
+    if (saved_step >= 0)
+      return "the checkpoint " + checkpoint_path.string() + " (step " +
+             std::to_string(saved_step) + ") is intact";
+    if (resume_step)
+      return "the checkpoint resumed from, " + o.resume + " (step " + std::to_string(*resume_step) +
+             "), is intact";
+    return "no checkpoint was written yet";
   };
 
   while (s.step < o.steps) {
@@ -303,8 +324,8 @@ void train(const TrainOptions& options) {
     const bool stats = precision.kind == Precision::Kind::fp8 && o.fp8_stats_every > 0 &&
                        step % o.fp8_stats_every == 0;
     s.model->set_collect_fp8_stats(stats);
-    const StepResult r = train_step(s, *data, o, norm_sq);
-    const double loss = r.loss, grad_norm = r.grad_norm, lr = r.lr;
+    const StepResult r = train_step(s, *data, o, checks);
+    const double loss = r.loss, grad_norm = r.verdict.grad_norm, lr = r.lr;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
@@ -312,6 +333,7 @@ void train(const TrainOptions& options) {
                         {"grad_norm", grad_norm},
                         {"lr", lr},
                         {"tokens_per_s", tokens_per_step / seconds}};
+    skips.record(step, r.verdict, loss, fields);  // also prints a line per skip and flag
     if (stats) fields.emplace_back("fp8", fp8_statistics(*s.model));
     if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps)
       fields.emplace_back("val_loss",
@@ -319,9 +341,10 @@ void train(const TrainOptions& options) {
     metrics.write(step, fields);
     progress.update(step, loss, tokens_per_step / seconds);
     if (std::isnan(first_loss)) first_loss = loss;
-    last_loss = loss;
-    OCTET_CHECK(std::isfinite(loss), "training diverged at step ", step, ": loss is ", loss);
-    if (o.save_every > 0 && step % o.save_every == 0) save();
+    if (!r.verdict.skipped()) last_loss = loss;
+    if (skips.exhausted()) OCTET_ERROR(skips.stop_message(step, intact_checkpoint()));
+    // No checkpoint on a skipped step: the file on disk stays that of the last applied one.
+    if (o.save_every > 0 && step % o.save_every == 0 && !r.verdict.skipped()) save();
   }
   progress.finish();
   if (saved_step != s.step) save();
@@ -333,6 +356,8 @@ void train(const TrainOptions& options) {
   if (o.data == "builtin" && config.vocab >= kByteVocab) {
     print_arithmetic_skill(*s.model);
   }
+  if (skips.total() > 0)
+    std::printf("skipped steps: %lld (\"skipped\" in metrics.jsonl)\n", (long long)skips.total());
   std::printf("checkpoint: %s\n", checkpoint_path.c_str());
   const std::string png = (fs::path(o.out) / "loss.png").string();
   if (plot_loss(metrics.path(), png)) std::printf("loss plot: %s\n", png.c_str());
@@ -346,14 +371,15 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   const nn::UnfusedScope unfused_scope(unfused);
   reset_device_peak(device);
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
-  Tensor norm_sq = Tensor::zeros({1}, DType::f32, device);
+  StepChecks checks(*s.model, s.params, o);
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   std::vector<double> rates;
   double loss = 0;
   for (int64_t i = 0; i < warmup_steps + o.steps; ++i) {
     if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
-    loss = train_step(s, *data, o, norm_sq).loss;  // ends with a device sync (grad norm read)
+    // Syncs at the grad-norm read; the AdamW it then launches is waited for by the next step.
+    loss = train_step(s, *data, o, checks).loss;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (i >= warmup_steps) rates.push_back(tokens_per_step / seconds);

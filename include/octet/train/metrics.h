@@ -70,6 +70,10 @@ class MetricsWriter {
   std::FILE* file_ = nullptr;
 };
 
+/// The lines of a metrics file whose `key` is true (e.g. the skipped steps, which a resumed run
+/// goes on counting); 0 when the file does not exist.
+int64_t count_true(const std::string& metrics_path, const std::string& key);
+
 /// Text of a duration for ETAs: "45s", "3m07s", "2h05m".
 std::string format_duration(double seconds);
 /// One progress report: "step 120/1000 | loss 2.3457 | 12.3k tok/s | ETA 1m23s". With

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -120,6 +121,11 @@ class GPT {
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
   /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_casts().
   void on_weights_updated(nn::PreparedCast prepared = nn::PreparedCast::dropped);
+
+  /// Testing aid (fault injection): called with block `layer`'s output [batch*seq, dim] in every
+  /// training forward, before the next block reads it. Empty: none (the default).
+  using ActivationHook = std::function<void(int64_t layer, const Tensor& x)>;
+  void set_activation_hook(ActivationHook hook);
 
  private:
   struct Impl;

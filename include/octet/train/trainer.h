@@ -6,6 +6,7 @@
 
 #include "octet/core/device.h"
 #include "octet/train/config.h"
+#include "octet/train/guard.h"
 
 namespace octet::train {
 
@@ -50,6 +51,18 @@ struct TrainOptions {
   int64_t eval_batches = 8;
   int64_t fp8_stats_every = 50;  ///< 0: never
   int64_t log_every = 10;        ///< plain progress lines when not on a terminal
+  /// A step with a non-finite loss, gradient or FP8 amax is skipped (nothing it computed reaches
+  /// the weights, the optimizer or the FP8 state); this many skipped steps in a row stop the run
+  /// with an error, the last checkpoint intact. 0: never stop.
+  int64_t max_skips = 10;
+  /// The gradient-anomaly guard (guard.h): flags, in metrics.jsonl, a layer whose gradient norm
+  /// leaves its running band; guard_skip also skips the flagged step (and implies guard).
+  bool guard = false;
+  bool guard_skip = false;
+  double guard_z = GuardConfig{}.z;
+  int64_t guard_warmup = GuardConfig{}.warmup;
+  /// Testing aid: faults to inject on purpose (fault_injection.h), e.g. "nan-grad@5". "": none.
+  std::string inject;
 };
 
 /// Resolves "auto"/defaults for the machine: device, model preset, steps, batch, seq; and the
