@@ -1,0 +1,130 @@
+"""octet.torch.Linear: a torch.nn.Module over octet's Linear. Skipped without PyTorch; the CUDA
+cases are skipped without a GPU."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import octet  # noqa: E402
+import octet.torch as ot  # noqa: E402
+
+from conftest import SEED  # noqa: E402
+
+CUDA = torch.cuda.is_available() and octet.cuda_info()[1] > 0
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(SEED)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_are_octets_memory_and_match_torch_linear(device):
+    lin = ot.Linear(64, 32, device=device)
+    assert isinstance(lin.weight, torch.nn.Parameter) and lin.weight.dtype == torch.float32
+    ref = torch.nn.Linear(64, 32, device=device)
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+        ref.bias.copy_(lin.bias)
+    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = lin(x), ref(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_an_optimizer_step_is_seen_by_the_next_forward():
+    lin = ot.Linear(32, 16)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    x = torch.randn(16, 32)
+    for _ in range(2):
+        opt.zero_grad()
+        lin(x).square().sum().backward()
+        opt.step()
+    w = lin.weight.detach().clone()
+    b = lin.bias.detach().clone()
+    torch.testing.assert_close(lin(x), x @ w.T + b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8"])
+def test_checkpoint_gives_bitwise_the_same_gradients(recipe):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint):
+        torch.manual_seed(SEED)
+        l1, l2 = ot.Linear(64, 64), ot.Linear(64, 32)
+        x = torch.randn(32, 64, requires_grad=True)
+        r = octet.Recipe.from_name(recipe)
+        reg = octet.Registry()
+        grads = []
+        for _ in range(2):
+            with octet.fp8_autocast(r, registry=reg):
+                f = lambda t: l2(torch.nn.functional.gelu(l1(t)))
+                y = checkpoint(f, x, use_reentrant=False) if use_checkpoint else f(x)
+            y.square().sum().backward()
+            grads.append([t.grad.clone() for t in (x, l1.weight, l1.bias, l2.weight)])
+        return grads, reg.update_counts
+
+    plain, counts = run(False)
+    ckpt, counts_ckpt = run(True)
+    assert counts == counts_ckpt
+    for a, b in zip(plain, ckpt):
+        for ga, gb in zip(a, b):
+            assert ga.numpy().tobytes() == gb.numpy().tobytes()
+
+
+def test_state_dict_round_trips_parameters_and_fp8_state(tmp_path):
+    r = octet.Recipe.delayed(amax_history_len=4)
+    a = ot.Linear(32, 16)
+    with octet.fp8_autocast(r):
+        a(torch.randn(16, 32)).sum().backward()
+    torch.save(a.state_dict(), tmp_path / "a.pt")
+    b = ot.Linear(32, 16)
+    b.load_state_dict(torch.load(tmp_path / "a.pt", weights_only=False))
+    assert torch.equal(a.weight, b.weight)
+    sa, sb = a.fp8_state(), b.fp8_state()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_bad_input_raises_with_octets_message():
+    lin = ot.Linear(64, 32)
+    with pytest.raises(octet.OctetError, match="64"):
+        lin(torch.randn(8, 32))
+    with pytest.raises(octet.OctetValueError, match="contiguous"):
+        lin(torch.randn(64, 8).T)
+    with pytest.raises(octet.OctetError, match="i32|int"):
+        lin(torch.ones(8, 64, dtype=torch.int32))
+    with pytest.raises(octet.OctetError, match="create it with device"):
+        lin.to(torch.float64)
+    with pytest.raises(octet.OctetValueError, match="dtype"):
+        ot.Linear(4, 4, dtype=torch.float16)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_cuda_tensor_on_another_device_than_the_module():
+    lin = ot.Linear(64, 32, device="cuda:0")
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(octet.OctetValueError, match="cuda:1"):
+            lin(torch.randn(8, 64, device="cuda:1"))
+        with torch.cuda.device(0):
+            other = ot.Linear(64, 32, device="cuda:1")
+            y = other(torch.randn(8, 64, device="cuda:1"))
+            assert y.device == torch.device("cuda:1")
+    with pytest.raises(octet.OctetValueError, match="cpu"):
+        lin(torch.randn(8, 64))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_dlpack_zero_copy_on_the_gpu():
+    x = torch.randn(32, 64, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    q = octet.quantize(x, amax=amax)
+    assert amax.item() == x.abs().max().item()
+    assert q.data().data_ptr() == q.data().data_ptr()
+    out = torch.empty(32, 64, device="cuda")
+    assert octet.dequantize(q, out=out) is out
