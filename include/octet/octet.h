@@ -236,10 +236,14 @@ OCTET_API octet_status octet_linear_tensor_view(const octet_linear* linear,
                                                 octet_linear_tensor which, void* stream,
                                                 DLManagedTensor** out);
 
-/** The FP8 state for checkpoints: every f32 tensor of it, by index 0..count-1 (forward scale [2],
- * forward amax history [len, 2], backward scale [1], backward amax history [len, 1]). The state
- * is created for `recipe` when absent (scales 1, histories 0) so a checkpoint can be restored
- * before the first forward. get: a copy; set: copies `value` (same shape, f32, any device) in. */
+/** The FP8 state for checkpoints, six f32 tensors by index (octet_linear_fp8_state_name):
+ * 0 forward.scale [2], 1 forward.scale_inv [2], 2 forward.amax_history [len, 2] (input, weight),
+ * 3 backward.scale [1], 4 backward.scale_inv [1], 5 backward.amax_history [len, 1]
+ * (grad_output); len is the recipe's history length (1 for the recipes without one). The state
+ * is created for `recipe` when absent (scales 1, histories 0), so a checkpoint can be restored
+ * before the first forward. get: a copy on the module's device. set: copies `value` (that shape,
+ * f32, any device) in and drops the cached weight cast; records of forwards still held keep the
+ * scales they were made with only up to the next set, so restore before training. */
 OCTET_API octet_status octet_linear_fp8_state_count(octet_linear* linear,
                                                     const octet_recipe* recipe, int* count);
 OCTET_API octet_status octet_linear_fp8_state_name(int index, const char** name);

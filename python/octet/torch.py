@@ -37,7 +37,7 @@ def _to_torch(exported) -> torch.Tensor:
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module, scope):
+    def forward(ctx, x, weight, bias, module, scope, grad_enabled):
         module._sync_weights()
         device = module._device
         if x.device != device:
@@ -54,7 +54,8 @@ class _LinearFunction(torch.autograd.Function):
                     "torch.utils.checkpoint(..., use_reentrant=False)")
             mode = "recompute"
         else:
-            mode = "training" if torch.is_grad_enabled() else "inference"
+            # Grad mode is off inside Function.forward: the module passes it in.
+            mode = "training" if grad_enabled and any(ctx.needs_input_grad[:3]) else "inference"
         y, record = module._core.forward(x.detach(), mode, original, _stream(device), _to_torch)
         ctx.record, ctx.module, ctx.finalize = record, module, None
         if mode == "training":
@@ -75,7 +76,7 @@ class _LinearFunction(torch.autograd.Function):
         module._finish_grads(grads)
         if ctx.finalize is not None:
             ctx.finalize.finalize_backward()
-        return dx, None, None, None, None
+        return dx, None, None, None, None, None
 
 
 class Linear(torch.nn.Module):
@@ -214,7 +215,8 @@ class Linear(torch.nn.Module):
     # --- forward -------------------------------------------------------------------------------
 
     def forward(self, x):
-        return _LinearFunction.apply(x, self.weight, self.bias, self, octet.active_scope())
+        return _LinearFunction.apply(x, self.weight, self.bias, self, octet.active_scope(),
+                                     torch.is_grad_enabled())
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
