@@ -94,9 +94,8 @@ OCTET_API octet_status octet_cuda_info(int* built_with_cuda, int* device_count);
  * Recipes. Defaults follow Transformer Engine (docs/NUMERICS.md). */
 
 /** DelayedScaling: margin >= 0, amax_history_len >= 1 (TE: 0, 1024, max, hybrid). */
-OCTET_API octet_status octet_recipe_delayed(int margin, int amax_history_len,
-                                            octet_amax_algo algo, octet_fp8_format format,
-                                            octet_recipe** out);
+OCTET_API octet_status octet_recipe_delayed(int margin, int amax_history_len, octet_amax_algo algo,
+                                            octet_fp8_format format, octet_recipe** out);
 /** CurrentScaling: the tensor's own amax (TE: no power-of-2 rounding, hybrid). */
 OCTET_API octet_status octet_recipe_current(int power_of_2_scales, octet_fp8_format format,
                                             octet_recipe** out);
@@ -140,12 +139,12 @@ OCTET_API int octet_autocast_depth(void);
  * Quantization and FP8 GEMM. */
 
 typedef struct octet_quantize_options {
-  octet_dtype dtype;       /**< OCTET_E4M3 or OCTET_E5M2 */
+  octet_dtype dtype; /**< OCTET_E4M3 or OCTET_E5M2 */
   octet_scaling_mode mode;
-  int rowwise;             /**< write the [rows, cols] copy (default 1) */
-  int columnwise;          /**< write the transposed [cols, rows] copy (default 0) */
-  int power_of_2_scales;   /**< block modes: power-of-2 block scales (default 1); per-tensor
-                              current scaling: round the computed scale down (default 0) */
+  int rowwise;           /**< write the [rows, cols] copy (default 1) */
+  int columnwise;        /**< write the transposed [cols, rows] copy (default 0) */
+  int power_of_2_scales; /**< block modes: power-of-2 block scales (default 1); per-tensor
+                            current scaling: round the computed scale down (default 0) */
   /** Per-tensor only: f32[1] on x's device, q = fp8(x * scale). NULL: current scaling, the
    * scale is fp8_max / max|x|. Must be NULL for the block modes. */
   const DLTensor* scale;
@@ -161,8 +160,8 @@ OCTET_API octet_status octet_quantize(const DLTensor* x, const octet_quantize_op
                                       void* stream, octet_qtensor** out);
 /** out (f32 or bf16; [rows, cols], or [cols, rows] for the transposed copy) = the dequantized
  * row-wise copy of q (transposed = 0) or its transposed copy (transposed = 1). */
-OCTET_API octet_status octet_dequantize(const octet_qtensor* q, int transposed,
-                                        const DLTensor* out, void* stream);
+OCTET_API octet_status octet_dequantize(const octet_qtensor* q, int transposed, const DLTensor* out,
+                                        void* stream);
 /** dtype (OCTET_E4M3/E5M2), mode, rows, cols, and which copies q holds. Any pointer may be NULL. */
 OCTET_API octet_status octet_qtensor_info(const octet_qtensor* q, octet_dtype* dtype,
                                           octet_scaling_mode* mode, int64_t* rows, int64_t* cols,
@@ -171,8 +170,8 @@ OCTET_API octet_status octet_qtensor_info(const octet_qtensor* q, octet_dtype* d
  * their scale_inv (f32, or uint8 E8M0 codes for MXFP8). They keep q's memory alive. */
 OCTET_API octet_status octet_qtensor_data(const octet_qtensor* q, int transposed, void* stream,
                                           DLManagedTensor** out);
-OCTET_API octet_status octet_qtensor_scale_inv(const octet_qtensor* q, int transposed,
-                                               void* stream, DLManagedTensor** out);
+OCTET_API octet_status octet_qtensor_scale_inv(const octet_qtensor* q, int transposed, void* stream,
+                                               DLManagedTensor** out);
 OCTET_API void octet_qtensor_destroy(octet_qtensor* q);
 
 /** d [M, N] (f32 or bf16) = alpha * A [M, K] * B [N, K]^T + beta * d + bias: the TN layout
@@ -205,8 +204,7 @@ OCTET_API octet_status octet_linear_info(const octet_linear* linear, int64_t* in
  * new record for octet_linear_backward (release it with octet_saved_destroy). */
 OCTET_API octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x,
                                             octet_forward_mode mode, const octet_saved* original,
-                                            void* stream, DLManagedTensor** y,
-                                            octet_saved** saved);
+                                            void* stream, DLManagedTensor** y, octet_saved** saved);
 /** dx (the input's shape and dtype) from dy (the output's shape, f32 or bf16); adds dy^T x to the
  * weight gradient and the row sums of dy to the bias gradient. */
 OCTET_API octet_status octet_linear_backward(octet_linear* linear, const DLTensor* dy,
@@ -248,8 +246,7 @@ OCTET_API octet_status octet_linear_fp8_state_count(octet_linear* linear,
                                                     const octet_recipe* recipe, int* count);
 OCTET_API octet_status octet_linear_fp8_state_name(int index, const char** name);
 OCTET_API octet_status octet_linear_fp8_state_get(octet_linear* linear, const octet_recipe* recipe,
-                                                  int index, void* stream,
-                                                  DLManagedTensor** out);
+                                                  int index, void* stream, DLManagedTensor** out);
 OCTET_API octet_status octet_linear_fp8_state_set(octet_linear* linear, const octet_recipe* recipe,
                                                   int index, const DLTensor* value, void* stream);
 /** FP8 state updates applied so far (forward and backward passes). */

@@ -163,8 +163,7 @@ octet_status octet_registry_create(octet_registry** out) {
 octet_status octet_registry_destroy(octet_registry* registry) {
   return guarded([&] {
     if (registry == nullptr) return;
-    OCTET_CAPI_CHECK(registry->open_scopes == 0, "the registry is used by ",
-                     registry->open_scopes,
+    OCTET_CAPI_CHECK(registry->open_scopes == 0, "the registry is used by ", registry->open_scopes,
                      " open autocast scope(s): close them (octet_autocast_exit) first");
     delete registry;
   });
@@ -242,9 +241,8 @@ octet_status octet_quantize(const DLTensor* x, const octet_quantize_options* opt
     args.power_of_2_block_scales = o.power_of_2_scales != 0;
     if (o.amax != nullptr) args.amax = octet::capi::borrow(o.amax, "options.amax");
     if (per_tensor) {
-      args.scale = o.scale != nullptr
-                       ? octet::capi::borrow(o.scale, "options.scale")
-                       : current_scale(xt, dtype, o.power_of_2_scales == 1);
+      args.scale = o.scale != nullptr ? octet::capi::borrow(o.scale, "options.scale")
+                                      : current_scale(xt, dtype, o.power_of_2_scales == 1);
     }
     auto q = std::make_unique<octet_qtensor>();
     q->q = fp8::QuantizedTensor::allocate(
@@ -288,8 +286,8 @@ static octet_status export_part(const octet_qtensor* q, int transposed, bool sca
     deref(out, "out");
     OCTET_CAPI_CHECK(transposed ? qt.has_columnwise() : qt.has_rowwise(), "q holds no ",
                      transposed ? "transposed" : "row-wise", " copy");
-    const octet::Tensor& t = scales ? (transposed ? qt.scale_inv_t : qt.scale_inv)
-                                    : (transposed ? qt.data_t : qt.data);
+    const octet::Tensor& t =
+        scales ? (transposed ? qt.scale_inv_t : qt.scale_inv) : (transposed ? qt.data_t : qt.data);
     *out = octet::capi::export_tensor(t, stream);
   });
 }
@@ -321,7 +319,8 @@ octet_status octet_gemm_fp8(const octet_qtensor* a, int a_transposed, const octe
     args.alpha = alpha;
     args.beta = beta;
     if (bias != nullptr) args.bias = octet::capi::borrow(bias, "bias");
-    args.accumulation = fast_accum ? octet::ops::Accumulation::fast : octet::ops::Accumulation::split;
+    args.accumulation =
+        fast_accum ? octet::ops::Accumulation::fast : octet::ops::Accumulation::split;
     octet::capi::StreamJoin join(dt.device(), stream);
     octet::ops::gemm(octet::ops::GemmOperand::fp8(qa, a_transposed != 0),
                      octet::ops::GemmOperand::fp8(qb, b_transposed != 0, /*transpose=*/true), dt,

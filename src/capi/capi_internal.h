@@ -2,6 +2,8 @@
 // import/export and the join with the caller's stream. Nothing outside src/capi includes this.
 #pragma once
 
+#include <atomic>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -19,7 +21,7 @@ struct octet_recipe {
 
 struct octet_registry {
   octet::nn::AmaxRegistry registry;
-  int open_scopes = 0;  ///< autocast scopes (any thread) that use it
+  std::atomic<int> open_scopes{0};  ///< autocast scopes (any thread) that use it
 };
 
 struct octet_qtensor {
@@ -77,11 +79,11 @@ octet_status guarded(Body&& body) noexcept {
 }  // namespace octet::capi
 
 /// Throws capi::InvalidArgument (OCTET_ERROR_INVALID_ARGUMENT) unless cond holds.
-#define OCTET_CAPI_CHECK(cond, ...)                                                          \
-  do {                                                                                       \
-    if (!(cond))                                                                             \
-      throw ::octet::capi::InvalidArgument(__FILE__, __LINE__,                               \
-                                           ::octet::detail::concat(__VA_ARGS__));            \
+#define OCTET_CAPI_CHECK(cond, ...)                                               \
+  do {                                                                            \
+    if (!(cond))                                                                  \
+      throw ::octet::capi::InvalidArgument(__FILE__, __LINE__,                    \
+                                           ::octet::detail::concat(__VA_ARGS__)); \
   } while (false)
 
 namespace octet::capi {

@@ -23,16 +23,23 @@ thread_local std::string last_error;
 /// (DLPack 0.6 has no FP8 types).
 DLDataType dl_dtype(DType dtype) {
   switch (dtype) {
-    case DType::f32: return {kDLFloat, 32, 1};
-    case DType::bf16: return {kDLBfloat, 16, 1};
-    case DType::f16: return {kDLFloat, 16, 1};
+    case DType::f32:
+      return {kDLFloat, 32, 1};
+    case DType::bf16:
+      return {kDLBfloat, 16, 1};
+    case DType::f16:
+      return {kDLFloat, 16, 1};
     case DType::e4m3:
     case DType::e5m2:
     case DType::e8m0:
-    case DType::u8: return {kDLUInt, 8, 1};
-    case DType::u16: return {kDLUInt, 16, 1};
-    case DType::i32: return {kDLInt, 32, 1};
-    case DType::i64: return {kDLInt, 64, 1};
+    case DType::u8:
+      return {kDLUInt, 8, 1};
+    case DType::u16:
+      return {kDLUInt, 16, 1};
+    case DType::i32:
+      return {kDLInt, 32, 1};
+    case DType::i64:
+      return {kDLInt, 64, 1};
   }
   OCTET_ERROR("no DLPack type for dtype ", dtype_name(dtype));
 }
@@ -93,8 +100,8 @@ Checked check(const DLTensor* t, const char* what) {
   const size_t element = dtype_size(c.dtype);
   OCTET_CAPI_CHECK(reinterpret_cast<uintptr_t>(c.data) % element == 0, what,
                    ": data is not aligned to its ", element, "-byte elements");
-  OCTET_CAPI_CHECK(c.data != nullptr || shape_numel(c.shape) == 0, what,
-                   ": NULL data for shape ", shape_str(c.shape));
+  OCTET_CAPI_CHECK(c.data != nullptr || shape_numel(c.shape) == 0, what, ": NULL data for shape ",
+                   shape_str(c.shape));
   check_device_available(c.device);
   return c;
 }
@@ -149,12 +156,18 @@ void set_last_error(std::string message) { last_error = std::move(message); }
 
 DType to_dtype(octet_dtype dtype, const char* what) {
   switch (dtype) {
-    case OCTET_F32: return DType::f32;
-    case OCTET_BF16: return DType::bf16;
-    case OCTET_F16: return DType::f16;
-    case OCTET_E4M3: return DType::e4m3;
-    case OCTET_E5M2: return DType::e5m2;
-    case OCTET_E8M0: return DType::e8m0;
+    case OCTET_F32:
+      return DType::f32;
+    case OCTET_BF16:
+      return DType::bf16;
+    case OCTET_F16:
+      return DType::f16;
+    case OCTET_E4M3:
+      return DType::e4m3;
+    case OCTET_E5M2:
+      return DType::e5m2;
+    case OCTET_E8M0:
+      return DType::e8m0;
   }
   throw InvalidArgument(__FILE__, __LINE__,
                         detail::concat(what, ": unknown octet_dtype ", static_cast<int>(dtype)));
@@ -162,20 +175,28 @@ DType to_dtype(octet_dtype dtype, const char* what) {
 
 octet_dtype from_dtype(DType dtype) {
   switch (dtype) {
-    case DType::f32: return OCTET_F32;
-    case DType::bf16: return OCTET_BF16;
-    case DType::f16: return OCTET_F16;
-    case DType::e4m3: return OCTET_E4M3;
-    case DType::e5m2: return OCTET_E5M2;
-    case DType::e8m0: return OCTET_E8M0;
-    default: OCTET_ERROR("dtype ", dtype_name(dtype), " has no octet_dtype");
+    case DType::f32:
+      return OCTET_F32;
+    case DType::bf16:
+      return OCTET_BF16;
+    case DType::f16:
+      return OCTET_F16;
+    case DType::e4m3:
+      return OCTET_E4M3;
+    case DType::e5m2:
+      return OCTET_E5M2;
+    case DType::e8m0:
+      return OCTET_E8M0;
+    default:
+      OCTET_ERROR("dtype ", dtype_name(dtype), " has no octet_dtype");
   }
 }
 
 Device to_device(const DLDevice& device) {
   switch (device.device_type) {
     case kDLCPU:
-    case kDLCUDAHost: return Device::cpu();  // pinned host memory is host memory
+    case kDLCUDAHost:
+      return Device::cpu();  // pinned host memory is host memory
     case kDLCUDA:
       OCTET_CAPI_CHECK(device.device_id >= 0, "negative CUDA device ordinal ", device.device_id);
       return Device::cuda(device.device_id);
@@ -194,8 +215,7 @@ DLDevice from_device(const Device& device) {
 Tensor borrow(const DLTensor* t, const char* what) {
   Checked c = check(t, what);
   const size_t bytes = static_cast<size_t>(shape_numel(c.shape)) * dtype_size(c.dtype);
-  return Tensor::adopt(std::make_shared<Storage>(c.data, bytes, c.device, [] {}), c.shape,
-                       c.dtype);
+  return Tensor::adopt(std::make_shared<Storage>(c.data, bytes, c.device, [] {}), c.shape, c.dtype);
 }
 
 Tensor adopt(DLManagedTensor* t, const char* what) {

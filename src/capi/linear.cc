@@ -42,9 +42,12 @@ octet::Tensor state_tensor(octet_linear* linear, const octet_recipe* recipe, int
 
 nn::ForwardMode to_mode(octet_forward_mode mode) {
   switch (mode) {
-    case OCTET_FORWARD_TRAINING: return nn::ForwardMode::normal;
-    case OCTET_FORWARD_RECOMPUTE: return nn::ForwardMode::recompute;
-    case OCTET_FORWARD_INFERENCE: return nn::ForwardMode::inference;
+    case OCTET_FORWARD_TRAINING:
+      return nn::ForwardMode::normal;
+    case OCTET_FORWARD_RECOMPUTE:
+      return nn::ForwardMode::recompute;
+    case OCTET_FORWARD_INFERENCE:
+      return nn::ForwardMode::inference;
   }
   throw octet::capi::InvalidArgument(
       __FILE__, __LINE__,
@@ -100,9 +103,9 @@ octet_status octet_linear_info(const octet_linear* linear, int64_t* in_features,
   });
 }
 
-octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x,
-                                  octet_forward_mode mode, const octet_saved* original,
-                                  void* stream, DLManagedTensor** y, octet_saved** saved) {
+octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x, octet_forward_mode mode,
+                                  const octet_saved* original, void* stream, DLManagedTensor** y,
+                                  octet_saved** saved) {
   Consumed input(x);
   return guarded([&] {
     nn::Linear& m = deref(linear, "linear").module;
@@ -181,10 +184,18 @@ octet_status octet_linear_tensor_view(const octet_linear* linear, octet_linear_t
     deref(out, "out");
     const octet::Tensor* t = nullptr;
     switch (which) {
-      case OCTET_LINEAR_WEIGHT: t = &m.weight(); break;
-      case OCTET_LINEAR_BIAS: t = &m.bias(); break;
-      case OCTET_LINEAR_GRAD_WEIGHT: t = &m.grad_weight(); break;
-      case OCTET_LINEAR_GRAD_BIAS: t = &m.grad_bias(); break;
+      case OCTET_LINEAR_WEIGHT:
+        t = &m.weight();
+        break;
+      case OCTET_LINEAR_BIAS:
+        t = &m.bias();
+        break;
+      case OCTET_LINEAR_GRAD_WEIGHT:
+        t = &m.grad_weight();
+        break;
+      case OCTET_LINEAR_GRAD_BIAS:
+        t = &m.grad_bias();
+        break;
     }
     OCTET_CAPI_CHECK(t != nullptr, "unknown octet_linear_tensor ", static_cast<int>(which));
     OCTET_CAPI_CHECK(t->defined(), "the Linear has no bias (it was created with bias = 0)");
@@ -206,8 +217,8 @@ octet_status octet_linear_fp8_state_name(int index, const char** name) {
   return guarded([&] { deref(name, "name") = state_entry(index).name; });
 }
 
-octet_status octet_linear_fp8_state_get(octet_linear* linear, const octet_recipe* recipe,
-                                        int index, void* stream, DLManagedTensor** out) {
+octet_status octet_linear_fp8_state_get(octet_linear* linear, const octet_recipe* recipe, int index,
+                                        void* stream, DLManagedTensor** out) {
   return guarded([&] {
     deref(out, "out");
     const octet::Tensor t = state_tensor(linear, recipe, index);
@@ -216,8 +227,8 @@ octet_status octet_linear_fp8_state_get(octet_linear* linear, const octet_recipe
   });
 }
 
-octet_status octet_linear_fp8_state_set(octet_linear* linear, const octet_recipe* recipe,
-                                        int index, const DLTensor* value, void* stream) {
+octet_status octet_linear_fp8_state_set(octet_linear* linear, const octet_recipe* recipe, int index,
+                                        const DLTensor* value, void* stream) {
   return guarded([&] {
     octet::Tensor t = state_tensor(linear, recipe, index);
     const octet::Tensor v = octet::capi::borrow(value, "value");

@@ -12,28 +12,28 @@
 
 static int passed = 0, failed = 0, skipped = 0;
 
-#define CHECK(cond, ...)                                        \
-  do {                                                          \
-    if (cond) {                                                 \
-      ++passed;                                                 \
-    } else {                                                    \
-      ++failed;                                                 \
+#define CHECK(cond, ...)                                                \
+  do {                                                                  \
+    if (cond) {                                                         \
+      ++passed;                                                         \
+    } else {                                                            \
+      ++failed;                                                         \
       fprintf(stderr, "FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                             \
-      fprintf(stderr, "\n");                                    \
-    }                                                           \
+      fprintf(stderr, __VA_ARGS__);                                     \
+      fprintf(stderr, "\n");                                            \
+    }                                                                   \
   } while (0)
 
 /* A call that must succeed. */
 #define OK(call) CHECK((call) == OCTET_OK, "%s", octet_last_error())
 
 /* A call that must fail with `status` and a message containing `needle`. */
-#define FAILS(call, status, needle)                                                     \
-  do {                                                                                  \
-    octet_status st_ = (call);                                                          \
-    CHECK(st_ == (status) && strstr(octet_last_error(), (needle)) != NULL,              \
+#define FAILS(call, status, needle)                                                         \
+  do {                                                                                      \
+    octet_status st_ = (call);                                                              \
+    CHECK(st_ == (status) && strstr(octet_last_error(), (needle)) != NULL,                  \
           "status %d (expected %d), message \"%s\" (expected to contain \"%s\")", (int)st_, \
-          (int)(status), octet_last_error(), (needle));                                 \
+          (int)(status), octet_last_error(), (needle));                                     \
   } while (0)
 
 /* ----------------------------------------------------------------------------------------------
@@ -93,12 +93,14 @@ static void release(DLManagedTensor* t) {
 
 /* ----------------------------------------------------------------------------------------------
  * Reference FP8 codes: the nearest code by search over all codes, ties to the even code,
- * saturating to the largest finite value (CUDA's __NV_SATFINITE). Independent of octet's encoder. */
+ * saturating to the largest finite value (CUDA's __NV_SATFINITE). Independent of octet's encoder.
+ */
 
 static float decode_fp8(uint8_t code, int e5m2) {
   const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
   const int e = (code & 0x7F) >> mbits, m = code & ((1 << mbits) - 1);
-  float v = e == 0 ? ldexpf((float)m, 1 - bias - mbits) : ldexpf(1.0f + (float)m / (1 << mbits), e - bias);
+  float v = e == 0 ? ldexpf((float)m, 1 - bias - mbits)
+                   : ldexpf(1.0f + (float)m / (1 << mbits), e - bias);
   return (code & 0x80) ? -v : v;
 }
 static uint8_t max_code(int e5m2) { return e5m2 ? 0x7B : 0x7E; }
@@ -108,7 +110,8 @@ static uint8_t encode_fp8(float v, int e5m2) {
   const float a = fabsf(v);
   uint8_t best = 0;
   for (int c = 1; c <= max_code(e5m2); ++c) {
-    const float dc = fabsf(decode_fp8((uint8_t)c, e5m2) - a), db = fabsf(decode_fp8(best, e5m2) - a);
+    const float dc = fabsf(decode_fp8((uint8_t)c, e5m2) - a),
+                db = fabsf(decode_fp8(best, e5m2) - a);
     if (dc < db || (dc == db && (c & 1) == 0)) best = (uint8_t)c;
   }
   return (uint8_t)(sign | best);
@@ -219,9 +222,9 @@ static void test_quantize(void) {
 
   /* Ties round to the even code, large values saturate, tiny ones flush or go subnormal. */
   {
-    static float ties[16] = {1.0625f, 1.1875f, -1.0625f, 432.0f, 464.0f, 1000.0f, -1e9f,
-                             0.0009765625f, 0.0029296875f, 1e-9f, 0.0f, -0.0f, 3.25f, 0.3125f,
-                             240.0f, 13.0f};
+    static float ties[16] = {1.0625f, 1.1875f,       -1.0625f,      432.0f, 464.0f, 1000.0f,
+                             -1e9f,   0.0009765625f, 0.0029296875f, 1e-9f,  0.0f,   -0.0f,
+                             3.25f,   0.3125f,       240.0f,        13.0f};
     int64_t tie_shape[2] = {1, 16}, one_ = 1;
     float unit = 1.0f;
     DLTensor tt = dl_f32(ties, 2, tie_shape), ut = dl_f32(&unit, 1, &one_);
@@ -254,7 +257,8 @@ static void test_quantize(void) {
   for (int64_t r = 0; r < ROWS; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       float m = 0;
-      for (int64_t c = b * 128; c < COLS && c < b * 128 + 128; ++c) m = fmaxf(m, fabsf(x[r * COLS + c]));
+      for (int64_t c = b * 128; c < COLS && c < b * 128 + 128; ++c)
+        m = fmaxf(m, fabsf(x[r * COLS + c]));
       block_scale[r * blocks + b] = float_floor_pow2(m > 0 ? 448.0f / m : 1.0f);
     }
   octet_quantize_options_init(&o);
@@ -369,8 +373,8 @@ typedef struct {
 } Problem;
 
 static int compare_matmul(const float* got, const float* a, const float* b, const float* add,
-                          int64_t m, int64_t n, int64_t k, int64_t as_m, int64_t as_k,
-                          int64_t bs_n, int64_t bs_k, float rel) {
+                          int64_t m, int64_t n, int64_t k, int64_t as_m, int64_t as_k, int64_t bs_n,
+                          int64_t bs_k, float rel) {
   int bad = 0;
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
@@ -381,7 +385,9 @@ static int compare_matmul(const float* got, const float* a, const float* b, cons
         mag += fabs(t);
       }
       if (fabs(got[i * n + j] - acc) > rel * mag + 1e-6) {
-        if (bad < 3) fprintf(stderr, "  [%lld, %lld]: %g vs %g\n", (long long)i, (long long)j, got[i * n + j], acc);
+        if (bad < 3)
+          fprintf(stderr, "  [%lld, %lld]: %g vs %g\n", (long long)i, (long long)j, got[i * n + j],
+                  acc);
         ++bad;
       }
     }
@@ -402,11 +408,12 @@ static void check_linear_against_naive(octet_linear* lin, const Problem* p, floa
   if (recipe) OK(octet_autocast_exit());
   OK(octet_linear_tensor_view(lin, OCTET_LINEAR_WEIGHT, NULL, &w));
   if (!y || !w) return;
-  CHECK(y->dl_tensor.ndim == 3 && y->dl_tensor.shape[2] == p->out && y->dl_tensor.shape[1] == p->rows / 2,
+  CHECK(y->dl_tensor.ndim == 3 && y->dl_tensor.shape[2] == p->out &&
+            y->dl_tensor.shape[1] == p->rows / 2,
         "y has %d dims", y->dl_tensor.ndim);
   const float* wv = (const float*)w->dl_tensor.data;
-  int bad = compare_matmul((float*)y->dl_tensor.data, p->x, wv, p->b, p->rows, p->out, p->in,
-                           p->in, 1, p->in, 1, rel_fwd);
+  int bad = compare_matmul((float*)y->dl_tensor.data, p->x, wv, p->b, p->rows, p->out, p->in, p->in,
+                           1, p->in, 1, rel_fwd);
   CHECK(bad == 0, "%d forward outputs outside %g x sum|x w|", bad, rel_fwd);
 
   DLTensor dyt = dl_f32(p->dy, 3, ys);
@@ -426,7 +433,8 @@ static void check_linear_against_naive(octet_linear* lin, const Problem* p, floa
   int bias_bad = 0;
   for (int64_t j = 0; j < p->out; ++j) {
     double acc = 0, mag = 0;
-    for (int64_t r = 0; r < p->rows; ++r) acc += p->dy[r * p->out + j], mag += fabs(p->dy[r * p->out + j]);
+    for (int64_t r = 0; r < p->rows; ++r)
+      acc += p->dy[r * p->out + j], mag += fabs(p->dy[r * p->out + j]);
     bias_bad += fabs(((float*)gb->dl_tensor.data)[j] - acc) > 1e-5 * mag + 1e-6;
   }
   CHECK(bias_bad == 0, "%d bias-gradient values differ from the row sums", bias_bad);
@@ -442,7 +450,8 @@ static void check_linear_against_naive(octet_linear* lin, const Problem* p, floa
 /* Bytes of two managed tensors are equal. */
 static int same_bytes(const DLManagedTensor* a, const DLManagedTensor* b) {
   const int64_t n = numel(&a->dl_tensor) * a->dl_tensor.dtype.bits / 8;
-  return numel(&a->dl_tensor) == numel(&b->dl_tensor) && memcmp(a->dl_tensor.data, b->dl_tensor.data, (size_t)n) == 0;
+  return numel(&a->dl_tensor) == numel(&b->dl_tensor) &&
+         memcmp(a->dl_tensor.data, b->dl_tensor.data, (size_t)n) == 0;
 }
 
 static void test_linear(void) {
@@ -473,7 +482,8 @@ static void test_linear(void) {
   for (int i = 0; i < 4; ++i) check_linear_against_naive(lin, &p, 0.13f, 0.2f, reg, recipes[i]);
   int64_t fwd = 0, bwd = 0;
   OK(octet_registry_update_counts(reg, &fwd, &bwd));
-  CHECK(fwd == 4 && bwd == 4, "registry updates: %lld forward, %lld backward", (long long)fwd, (long long)bwd);
+  CHECK(fwd == 4 && bwd == 4, "registry updates: %lld forward, %lld backward", (long long)fwd,
+        (long long)bwd);
 
   /* Recompute: a record whose activations were released, rebuilt, gives bitwise the same dx and
    * gradients, and updates no FP8 state (DESIGN.md rule 1). */
@@ -491,7 +501,8 @@ static void test_linear(void) {
   DLManagedTensor* gw_copy = NULL;
   OK(octet_linear_fp8_update_counts(lin, &fwd, &bwd));
   OK(octet_saved_release_activations(saved));
-  FAILS(octet_linear_backward(lin, &dyt, saved, NULL, &dx2), OCTET_ERROR_INVALID_ARGUMENT, "released");
+  FAILS(octet_linear_backward(lin, &dyt, saved, NULL, &dx2), OCTET_ERROR_INVALID_ARGUMENT,
+        "released");
   OK(octet_linear_forward(lin, &xm2, OCTET_FORWARD_RECOMPUTE, saved, NULL, &y2, &again));
   static float gw_before[OUT * IN];
   if (gw) memcpy(gw_before, gw->dl_tensor.data, sizeof gw_before);
@@ -503,7 +514,8 @@ static void test_linear(void) {
   if (y && y2 && dx && dx2 && gw2) {
     CHECK(same_bytes(y, y2), "the recomputed forward differs");
     CHECK(same_bytes(dx, dx2), "dx after recompute differs");
-    CHECK(memcmp(gw_before, gw2->dl_tensor.data, sizeof gw_before) == 0, "dW after recompute differs");
+    CHECK(memcmp(gw_before, gw2->dl_tensor.data, sizeof gw_before) == 0,
+          "dW after recompute differs");
     CHECK(fwd2 == fwd && bwd2 == bwd, "recompute updated the FP8 state");
   }
   (void)gw_copy;
@@ -528,35 +540,45 @@ static void test_linear(void) {
     if (i == 0) CHECK(((float*)v->dl_tensor.data)[0] != 1.0f, "the input scale was never updated");
     release(v), release(back);
   }
-  FAILS(octet_linear_fp8_state_get(lin, recipes[0], 6, NULL, &y), OCTET_ERROR_INVALID_ARGUMENT, "out of range");
+  FAILS(octet_linear_fp8_state_get(lin, recipes[0], 6, NULL, &y), OCTET_ERROR_INVALID_ARGUMENT,
+        "out of range");
   float wrong[3] = {1, 2, 3};
   int64_t three = 3;
   DLTensor wt = dl_f32(wrong, 1, &three);
-  FAILS(octet_linear_fp8_state_set(fresh, recipes[0], 0, &wt, NULL), OCTET_ERROR_INVALID_ARGUMENT, "f32[2]");
+  FAILS(octet_linear_fp8_state_set(fresh, recipes[0], 0, &wt, NULL), OCTET_ERROR_INVALID_ARGUMENT,
+        "f32[2]");
 
   /* Bad input to a Linear. */
-  DLManagedTensor *out = NULL;
+  DLManagedTensor* out = NULL;
   octet_saved* s = NULL;
   const int calls = deleter_calls;
   DLManagedTensor bad_in = managed(dl_f32(x, 2, (int64_t[]){ROWS * 2, IN / 2}));
-  FAILS(octet_linear_forward(lin, &bad_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s), OCTET_ERROR_RUNTIME, "64");
+  FAILS(octet_linear_forward(lin, &bad_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_RUNTIME, "64");
   static int32_t ints[ROWS * IN];
   DLManagedTensor int_in = managed(dl(ints, 2, xs, kDLInt, 32));
-  FAILS(octet_linear_forward(lin, &int_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s), OCTET_ERROR_RUNTIME, "i32");
+  FAILS(octet_linear_forward(lin, &int_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_RUNTIME, "i32");
   DLManagedTensor strided = managed(dl_f32(x, 2, xs));
   strided.dl_tensor.strides = (int64_t[]){1, ROWS};
-  FAILS(octet_linear_forward(lin, &strided, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s), OCTET_ERROR_INVALID_ARGUMENT, "contiguous");
+  FAILS(octet_linear_forward(lin, &strided, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_INVALID_ARGUMENT, "contiguous");
   DLManagedTensor orphan = managed(dl_f32(x, 2, xs));
-  FAILS(octet_linear_forward(NULL, &orphan, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s), OCTET_ERROR_INVALID_ARGUMENT, "linear must not be NULL");
+  FAILS(octet_linear_forward(NULL, &orphan, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_INVALID_ARGUMENT, "linear must not be NULL");
   DLManagedTensor nosnap = managed(dl_f32(x, 2, xs));
-  FAILS(octet_linear_forward(lin, &nosnap, OCTET_FORWARD_RECOMPUTE, NULL, NULL, &out, &s), OCTET_ERROR_INVALID_ARGUMENT, "original");
-  CHECK(deleter_calls == calls + 5, "consumed inputs released %d times, expected 5", deleter_calls - calls);
-  FAILS(octet_linear_backward(lin, &dyt, NULL, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT, "record of a forward");
+  FAILS(octet_linear_forward(lin, &nosnap, OCTET_FORWARD_RECOMPUTE, NULL, NULL, &out, &s),
+        OCTET_ERROR_INVALID_ARGUMENT, "original");
+  CHECK(deleter_calls == calls + 5, "consumed inputs released %d times, expected 5",
+        deleter_calls - calls);
+  FAILS(octet_linear_backward(lin, &dyt, NULL, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT,
+        "record of a forward");
   DLManagedTensor inf_in = managed(dl_f32(x, 2, xs));
   OK(octet_linear_forward(lin, &inf_in, OCTET_FORWARD_INFERENCE, NULL, NULL, &out, &s));
   release(out);
   FAILS(octet_linear_backward(lin, &dyt, s, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT, "inference");
-  FAILS(octet_linear_backward(fresh, &dyt, s, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT, "another Linear");
+  FAILS(octet_linear_backward(fresh, &dyt, s, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT,
+        "another Linear");
   octet_saved_destroy(s);
   DLManagedTensor ok_in = managed(dl_f32(x, 2, xs));
   OK(octet_linear_forward(lin, &ok_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s));
@@ -566,9 +588,12 @@ static void test_linear(void) {
   octet_saved_destroy(s);
   octet_linear* nobias = NULL;
   OK(octet_linear_create(IN, OUT, 0, cpu, 1, OCTET_BF16, &nobias));
-  FAILS(octet_linear_tensor_view(nobias, OCTET_LINEAR_BIAS, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT, "no bias");
-  FAILS(octet_linear_create(IN, OUT, 1, cpu, 1, OCTET_E4M3, &lin), OCTET_ERROR_INVALID_ARGUMENT, "compute_dtype");
-  FAILS(octet_linear_create(0, OUT, 1, cpu, 1, OCTET_F32, &lin), OCTET_ERROR_INVALID_ARGUMENT, "positive");
+  FAILS(octet_linear_tensor_view(nobias, OCTET_LINEAR_BIAS, NULL, &out),
+        OCTET_ERROR_INVALID_ARGUMENT, "no bias");
+  FAILS(octet_linear_create(IN, OUT, 1, cpu, 1, OCTET_E4M3, &lin), OCTET_ERROR_INVALID_ARGUMENT,
+        "compute_dtype");
+  FAILS(octet_linear_create(0, OUT, 1, cpu, 1, OCTET_F32, &lin), OCTET_ERROR_INVALID_ARGUMENT,
+        "positive");
   FAILS(octet_autocast_exit(), OCTET_ERROR_INVALID_ARGUMENT, "without an open scope");
   OK(octet_autocast_enter(recipes[0], reg));
   FAILS(octet_registry_destroy(reg), OCTET_ERROR_INVALID_ARGUMENT, "open autocast");
@@ -583,7 +608,8 @@ static void test_linear(void) {
   if (gpus > 0) {
     OK(octet_linear_create(IN, OUT, 1, gpu, 1, OCTET_F32, &glin));
     DLManagedTensor cpu_in = managed(dl_f32(x, 2, xs));
-    FAILS(octet_linear_forward(glin, &cpu_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s), OCTET_ERROR_RUNTIME, "cpu");
+    FAILS(octet_linear_forward(glin, &cpu_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+          OCTET_ERROR_RUNTIME, "cpu");
     gpu.device_id = gpus;
     FAILS(octet_linear_create(IN, OUT, 1, gpu, 1, OCTET_F32, &glin), OCTET_ERROR_RUNTIME, "cuda:");
     octet_linear_destroy(glin);
@@ -610,7 +636,8 @@ int main(void) {
   octet_version(&major, &minor, &version);
   printf("octet C API %d.%d (library %s), seed %llu (OCTET_TEST_SEED)\n", major, minor, version,
          (unsigned long long)seed);
-  CHECK(major == OCTET_C_API_VERSION_MAJOR && minor == OCTET_C_API_VERSION_MINOR, "version %d.%d", major, minor);
+  CHECK(major == OCTET_C_API_VERSION_MAJOR && minor == OCTET_C_API_VERSION_MINOR, "version %d.%d",
+        major, minor);
   test_recipes();
   test_quantize();
   test_gemm();

@@ -1,8 +1,7 @@
 /* Links the installed liboctet_c: y = x W^T + b of a CPU Linear against a naive loop. */
 #include <math.h>
-#include <stdio.h>
-
 #include <octet/octet.h>
+#include <stdio.h>
 
 int main(void) {
   enum { ROWS = 4, IN = 8, OUT = 3 };
