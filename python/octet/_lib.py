@@ -159,9 +159,12 @@ lib.octet_version.argtypes = [_intp, _intp, _strp]
 lib.octet_version.restype = None
 
 
+_FUNCTIONS = {name: getattr(lib, name) for name in _SIGNATURES}
+
+
 def call(name: str, *args) -> None:
     """Calls lib.<name>; a failed status raises the matching OctetError with octet's message."""
-    status = getattr(lib, name)(*args)
+    status = _FUNCTIONS[name](*args)
     if status != 0:
         message = lib.octet_last_error().decode("utf-8", "replace")
         raise _ERRORS.get(status, OctetError)(message)
