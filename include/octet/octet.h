@@ -143,8 +143,8 @@ typedef struct octet_quantize_options {
   octet_scaling_mode mode;
   int rowwise;           /**< write the [rows, cols] copy (default 1) */
   int columnwise;        /**< write the transposed [cols, rows] copy (default 0) */
-  int power_of_2_scales; /**< block modes: power-of-2 block scales (default 1); per-tensor
-                            current scaling: round the computed scale down (default 0) */
+  int power_of_2_scales; /**< 1: round scales down to a power of 2, 0: do not, -1 (the
+                            default): the mode's default (yes for blocks, no for current scaling) */
   /** Per-tensor only: f32[1] on x's device, q = fp8(x * scale). NULL: current scaling, the
    * scale is fp8_max / max|x|. Must be NULL for the block modes. */
   const DLTensor* scale;
@@ -152,7 +152,7 @@ typedef struct octet_quantize_options {
   const DLTensor* amax;
 } octet_quantize_options;
 
-/** E4M3, per-tensor, row-wise only, power_of_2_scales per mode, no scale (current), no amax. */
+/** E4M3, per-tensor, row-wise only, power_of_2_scales -1, no scale (current scaling), no amax. */
 OCTET_API void octet_quantize_options_init(octet_quantize_options* options);
 
 /** Quantizes the [rows, cols] matrix view of x (f32 or bf16; leading dims fold into rows). */
