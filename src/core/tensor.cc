@@ -24,7 +24,16 @@ int64_t shape_numel(const Shape& shape) {
 Storage::Storage(size_t bytes, const Device& device)
     : data_(device_alloc(bytes, device)), bytes_(bytes), device_(device) {}
 
-Storage::~Storage() { device_free(data_, device_); }
+Storage::Storage(void* data, size_t bytes, const Device& device, std::function<void()> release)
+    : data_(data), bytes_(bytes), device_(device), release_(std::move(release)) {}
+
+Storage::~Storage() {
+  if (release_) {
+    release_();
+  } else {
+    device_free(data_, device_);
+  }
+}
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, const Device& device) {
   for (int64_t extent : shape)
@@ -48,6 +57,20 @@ Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape)
               " values");
   Tensor t = empty(shape, DType::f32);
   std::copy(values.begin(), values.end(), t.data<float>());
+  return t;
+}
+
+Tensor Tensor::adopt(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype) {
+  OCTET_CHECK(storage != nullptr, "Tensor::adopt needs a storage");
+  for (int64_t extent : shape)
+    OCTET_CHECK(extent >= 0, "tensor extents must be non-negative, got shape ", shape_str(shape));
+  Tensor t;
+  t.shape_ = shape;
+  t.dtype_ = dtype;
+  OCTET_CHECK(t.nbytes() == storage->bytes(), "Tensor::adopt: shape ", shape_str(shape), " of ",
+              dtype_name(dtype), " needs ", t.nbytes(), " bytes, the storage holds ",
+              storage->bytes());
+  t.storage_ = std::move(storage);
   return t;
 }
 

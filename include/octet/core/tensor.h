@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -24,6 +25,9 @@ int64_t shape_numel(const Shape& shape);
 class Storage {
  public:
   Storage(size_t bytes, const Device& device);
+  /// Memory that someone else owns (a DLPack producer): used in place, never copied; `release`
+  /// runs instead of a free when the last Tensor using it goes away.
+  Storage(void* data, size_t bytes, const Device& device, std::function<void()> release);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -35,6 +39,7 @@ class Storage {
   void* data_ = nullptr;
   size_t bytes_ = 0;
   Device device_;
+  std::function<void()> release_;  ///< set for external memory
 };
 
 class Tensor {
@@ -47,6 +52,9 @@ class Tensor {
   static Tensor zeros(const Shape& shape, DType dtype, const Device& device = Device::cpu());
   /// A CPU f32 tensor holding `values`, reshaped to `shape`.
   static Tensor from_vector(const std::vector<float>& values, const Shape& shape);
+  /// A tensor over all of `storage` (which must hold exactly shape x dtype bytes), e.g. external
+  /// memory that the C API wraps without a copy.
+  static Tensor adopt(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }
@@ -62,6 +70,8 @@ class Tensor {
   int64_t cols() const;
 
   void* raw_data() const;
+  /// The shared storage (the C API hands it out with exported views to keep them alive).
+  const std::shared_ptr<Storage>& storage() const { return storage_; }
   /// Typed pointer; throws unless sizeof(T) matches the dtype's element size and, for types with
   /// a dtype_of mapping, the dtype itself.
   template <typename T>

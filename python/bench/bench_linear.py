@@ -1,0 +1,68 @@
+"""octet.torch.Linear against torch.nn.Linear under BF16 autocast, in one run (issue 17's targets):
+FP8 forward+backward at M = 16384, K = N = 8192, and the per-call overhead of a small Linear
+(M = 128, K = N = 1024). Prints one JSON line. Needs a GPU (or --device cpu with small --m/--k/--n
+to check that it runs).
+
+  PYTHONPATH=python OCTET_C_LIBRARY=build/liboctet_c.so python3 python/bench/bench_linear.py
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import octet
+import octet.torch as ot
+
+
+def timed(step, device, iters, warmup=5):
+    """Median seconds of `step` over `iters` runs (device-synchronized per run)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def fwd_bwd(module, x, dy, context):
+    def step():
+        with context():
+            y = module(x)
+        y.backward(dy)
+    return step
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--k", type=int, default=8192)
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--iters", type=int, default=20)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dev = a.device
+    recipe = octet.Recipe.delayed()
+    results = {}
+    for name, (m, k, n) in {"large": (a.m, a.k, a.n), "small": (128, 1024, 1024)}.items():
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+        fp8 = ot.Linear(k, n, device=dev)
+        ref = torch.nn.Linear(k, n, device=dev)
+        t_fp8 = timed(fwd_bwd(fp8, x, dy, lambda: octet.fp8_autocast(recipe)), dev, a.iters)
+        t_bf16 = timed(fwd_bwd(ref, x, dy, lambda: torch.autocast(dev.split(":")[0],
+                                                                   dtype=torch.bfloat16)), dev, a.iters)
+        flops = 3 * 2 * m * k * n
+        results[name] = {"shape": [m, k, n], "octet_fp8_s": t_fp8, "torch_bf16_s": t_bf16,
+                         "speedup": t_bf16 / t_fp8, "octet_tflops": flops / t_fp8 / 1e12}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

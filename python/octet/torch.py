@@ -1,0 +1,223 @@
+"""octet.torch.Linear: a torch.nn.Module whose forward and backward run octet's FP8 Linear.
+
+- Parameters are ordinary torch.nn.Parameters that share memory with octet's FP32 master weights
+  (DLPack, no copy): any torch optimizer, state_dict and torch.save work. An in-place update (the
+  optimizer's step, load_state_dict) is seen through the tensors' version counters, and the next
+  forward casts the weights again.
+- Gradients: octet writes them into its own gradient memory, which becomes the parameters' .grad
+  (set_to_none=True and False both work; a replaced .grad is added to).
+- The FP8 state (scales, amax histories) is in the module's buffers: fp8_<name>, refreshed from
+  octet when state_dict() is taken and written back on load_state_dict().
+- Calls run on PyTorch's current stream (octet orders its own stream after it and back).
+- torch.utils.checkpoint (use_reentrant=False): the recomputed forward rebuilds the output with
+  the scales of the original forward and updates no FP8 state, so gradients are bitwise those
+  without checkpointing. octet keeps its FP8 copy of the input (one byte per element) across
+  the checkpoint.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+import octet
+
+__all__ = ["Linear"]
+
+_COMPUTE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _to_torch(exported) -> torch.Tensor:
+    return torch.utils.dlpack.from_dlpack(exported)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, scope, grad_enabled):
+        module._sync_weights()
+        device = module._device
+        if x.device != device:
+            raise octet.OctetValueError(
+                f"octet.torch.Linear on {device} got input on {x.device} (octet never moves tensors)")
+        recompute = torch._C._current_graph_task_id() != -1  # a forward inside backward
+        original = None
+        if recompute:
+            original = module._pending_record()
+            if original is None:
+                raise octet.OctetError(
+                    "octet.torch.Linear: a forward inside backward (activation checkpointing) with "
+                    "no pending forward of this module to recompute; use "
+                    "torch.utils.checkpoint(..., use_reentrant=False)")
+            mode = "recompute"
+        else:
+            # Grad mode is off inside Function.forward: the module passes it in.
+            mode = "training" if grad_enabled and any(ctx.needs_input_grad[:3]) else "inference"
+        y, record = module._core.forward(x.detach(), mode, original, _stream(device), _to_torch)
+        ctx.record, ctx.module, ctx.finalize = record, module, None
+        if mode == "training":
+            module._records.append(weakref.ref(record))
+            if scope is not None and scope.first_module is None:
+                scope.first_module = module  # its backward comes last: it ends the pass
+                ctx.finalize = scope.registry
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module, record = ctx.module, ctx.record
+        device = module._device
+        stream = _stream(device)
+        grads = module._prepare_grads(stream)
+        # autograd's gradient may be any layout; octet takes contiguous tensors only.
+        dx = module._core.backward(dy.contiguous(), record, stream, _to_torch)
+        module._finish_grads(grads)
+        if ctx.finalize is not None:
+            ctx.finalize.finalize_backward()
+        return dx, None, None, None, None, None
+
+
+class Linear(torch.nn.Module):
+    """y = x W^T + b with octet: FP8 GEMMs inside `with octet.fp8_autocast(recipe):`, the
+    compute dtype (float32 or bfloat16) outside. Master weights are float32."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, seed=None):
+        super().__init__()
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            raise octet.OctetValueError(f"octet.torch.Linear: expected a cpu or cuda device, got {device}")
+        self._device = device
+        compute = dtype if dtype is not None else torch.float32
+        if compute not in _COMPUTE:
+            raise octet.OctetValueError(f"octet.torch.Linear: dtype must be float32 or bfloat16, got {compute}")
+        if seed is None:  # follows torch.manual_seed
+            seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+        self._core = octet.Linear(in_features, out_features, bias, str(device), _COMPUTE[compute], seed)
+        self.weight = torch.nn.Parameter(self._view("weight"))
+        self.bias = torch.nn.Parameter(self._view("bias")) if bias else None
+        self._versions = self._param_versions()
+        self._ptrs = tuple(p.data_ptr() for p in (self.weight, self.bias) if p is not None)
+        # octet's gradient memory never moves: one view each, made once.
+        self._grad_views = [self._view("grad_weight")] + ([self._view("grad_bias")] if bias else [])
+        self._records = []
+        self._recipe = None  # the recipe of the FP8 state (set by the first FP8 forward or a load)
+
+    # --- octet views -----------------------------------------------------------------------------
+
+    def _view(self, which):
+        return self._core.view(which, _stream(self._device), _to_torch)
+
+    def _param_versions(self):
+        return tuple(p._version for p in (self.weight, self.bias) if p is not None)
+
+    def _sync_weights(self):
+        if tuple(p.data_ptr() for p in (self.weight, self.bias) if p is not None) != self._ptrs:
+            raise octet.OctetError(
+                "octet.torch.Linear: a parameter was replaced (param.data = ... or .to()); "
+                "octet's parameters must keep their memory: copy into them instead")
+        versions = self._param_versions()
+        if versions != self._versions:
+            self._core.weights_updated()
+            self._versions = versions
+        scope = octet.active_scope()
+        if scope is not None:
+            self._recipe = scope.recipe
+
+    def _pending_record(self):
+        self._records = [r for r in self._records if r() is not None and not r().done]
+        return self._records[-1]() if self._records else None
+
+    def _prepare_grads(self, stream):
+        """Makes the parameters' .grad octet's gradient memory, so octet adds into it."""
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        views = self._grad_views
+        if all(p.grad is None for p in params):
+            self._core.zero_grad(True, stream)
+            for p, v in zip(params, views):
+                p.grad = v
+            return None
+        if all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(params, views)):
+            return None  # octet accumulates in place
+        self._core.zero_grad(True, stream)
+        return list(zip(params, views))
+
+    @staticmethod
+    def _finish_grads(pending):
+        for p, v in pending or ():
+            if p.grad is None:
+                p.grad = v.clone()
+            else:
+                p.grad.add_(v)
+
+    # --- the FP8 state in buffers -------------------------------------------------------------
+
+    def fp8_state(self, recipe=None):
+        """{name: tensor} copies of the FP8 state for `recipe` (default: the last one used)."""
+        recipe = recipe or self._recipe
+        if recipe is None:
+            return {}
+        state = self._core.fp8_state(recipe, _stream(self._device), _to_torch)
+        return {name.replace(".", "_"): value for name, value in state.items()}
+
+    def _refresh_buffers(self):
+        for name, value in self.fp8_state().items():
+            self.register_buffer("fp8_" + name, value)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._refresh_buffers()
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def get_extra_state(self):
+        return {"fp8_recipe": self._recipe.fields if self._recipe else None}
+
+    def set_extra_state(self, state):
+        fields = (state or {}).get("fp8_recipe")
+        if fields:
+            kind = fields["kind"]
+            if kind == "delayed":
+                self._recipe = octet.Recipe.delayed(fields["margin"], fields["amax_history_len"],
+                                                    fields["amax_compute_algo"], fields["fp8_format"])
+            elif kind == "current":
+                self._recipe = octet.Recipe.current(fields["power_of_2_scales"], fields["fp8_format"])
+            else:
+                self._recipe = getattr(octet.Recipe, kind)()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None:
+            self.set_extra_state(extra)
+        if self._recipe is not None:
+            self._refresh_buffers()  # buffers of the right shapes to load into
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self._recipe is not None:
+            names = self._core.fp8_state(self._recipe, _stream(self._device), _to_torch)
+            state = {name: getattr(self, "fp8_" + name.replace(".", "_")).contiguous() for name in names}
+            self._core.load_fp8_state(self._recipe, state, _stream(self._device))
+        self._versions = self._param_versions()
+        self._core.weights_updated()
+
+    def _apply(self, fn, recurse=True):
+        # .to(), .cuda(), .half() would move the parameters away from octet's memory.
+        probe = fn(torch.empty(0, device=self._device))
+        if probe.device != self._device or probe.dtype != torch.float32:
+            raise octet.OctetError(
+                "octet.torch.Linear lives on the device it was created on, in float32 masters: "
+                "create it with device=... instead of moving it")
+        return self
+
+    # --- forward -------------------------------------------------------------------------------
+
+    def forward(self, x):
+        return _LinearFunction.apply(x, self.weight, self.bias, self, octet.active_scope(),
+                                     torch.is_grad_enabled())
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, device={self._device}"

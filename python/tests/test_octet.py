@@ -1,0 +1,318 @@
+"""octet's Python API on the CPU with NumPy: bit-exact quantization against an independent
+reference, the FP8 GEMM on small integers, Linear against NumPy math, DLPack zero-copy, and bad
+input raising with octet's message."""
+import ctypes
+
+import numpy as np
+import pytest
+
+import octet
+from fp8_reference import decode, encode, floor_pow2
+
+ROWS, COLS = 37, 300  # awkward on purpose: a partial 1x128 block per row
+
+
+def ptr(a):
+    return a.__array_interface__["data"][0]
+
+
+@pytest.fixture
+def x(rng):
+    return rng.uniform(-3, 3, (ROWS, COLS)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Recipes and autocast
+
+
+def test_recipes_follow_transformer_engine_defaults():
+    d = octet.Recipe.delayed()
+    assert d.name == "fp8-delayed"
+    assert d.fields == {"kind": "delayed", "fp8_format": "hybrid", "margin": 0,
+                        "amax_history_len": 1024, "amax_compute_algo": "max",
+                        "power_of_2_scales": False}
+    assert octet.Recipe.current().name == "fp8-current"
+    assert octet.Recipe.block().fields["fp8_format"] == "e4m3"
+    assert octet.Recipe.mxfp8().name == "fp8-mxfp8"
+    assert octet.Recipe.from_name("fp8-block").name == "fp8-block"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"amax_history_len": 0}, "history"),
+    ({"margin": -1}, "margin"),
+    ({"fp8_format": "e6m1"}, "fp8_format"),
+    ({"amax_compute_algo": "mean"}, "amax_compute_algo"),
+])
+def test_bad_recipes_raise_with_octets_message(kwargs, needle):
+    with pytest.raises(octet.OctetValueError, match=needle):
+        octet.Recipe.delayed(**kwargs)
+
+
+def test_autocast_scope_finalizes_the_forward_pass_once():
+    reg = octet.Registry()
+    before = reg.update_counts
+    with octet.fp8_autocast(octet.Recipe.delayed(), registry=reg):
+        assert octet.active_scope() is not None
+    assert octet.active_scope() is None
+    assert reg.update_counts == (before[0] + 1, before[1])
+    with octet.fp8_autocast(octet.Recipe.current(), enabled=False, registry=reg):
+        assert octet.active_scope() is None
+    assert reg.update_counts[0] == before[0] + 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantize / dequantize, bit-exact
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_per_tensor_quantize_is_bit_exact(x, fmt):
+    scale = np.array([37.5], np.float32)
+    q = octet.quantize(x, dtype=fmt, scale=scale, columnwise=True)
+    assert (q.dtype, q.mode, q.shape) == (fmt, "per_tensor", (ROWS, COLS))
+    want = encode(x * scale[0], fmt)
+    np.testing.assert_array_equal(q.data(), want)
+    np.testing.assert_array_equal(q.data(transposed=True), want.T)
+    assert q.scale_inv()[0] == np.float32(1) / scale[0]
+    # dequantize = decode(code) * scale_inv, bitwise, both copies.
+    np.testing.assert_array_equal(octet.dequantize(q), decode(want, fmt) * q.scale_inv()[0])
+    np.testing.assert_array_equal(octet.dequantize(q, transposed=True),
+                                  (decode(want, fmt) * q.scale_inv()[0]).T)
+
+
+def test_current_scaling_uses_the_tensors_own_amax_and_writes_amax_in_place(x):
+    amax = np.array([0.5], np.float32)
+    q = octet.quantize(x, amax=amax)
+    expected_amax = np.abs(x).max()
+    assert amax[0] == expected_amax  # octet wrote into NumPy's memory: no copy
+    scale = np.float32(448) / expected_amax
+    np.testing.assert_array_equal(q.data(), encode(x * scale, "e4m3"))
+    q2 = octet.quantize(x, power_of_2_scales=True)
+    np.testing.assert_array_equal(q2.data(), encode(x * floor_pow2(scale), "e4m3"))
+
+
+def test_block_1x128_quantize_is_bit_exact(x):
+    q = octet.quantize(x, mode="block_1x128")
+    blocks = -(-COLS // 128)
+    scales = np.empty((ROWS, blocks), np.float32)
+    for b in range(blocks):
+        amax = np.abs(x[:, b * 128:(b + 1) * 128]).max(axis=1)
+        scales[:, b] = floor_pow2(np.float32(448) / amax)
+    per_element = np.repeat(scales, 128, axis=1)[:, :COLS]
+    np.testing.assert_array_equal(q.data(), encode(x * per_element, "e4m3"))
+    np.testing.assert_array_equal(q.scale_inv(), np.float32(1) / scales)
+
+
+def test_mxfp8_round_trip_within_half_an_e4m3_ulp(x):
+    q = octet.quantize(x, mode="mxfp8_1x32", columnwise=True)
+    assert q.scale_inv().dtype == np.uint8 and q.scale_inv().shape == (ROWS, -(-COLS // 32))
+    for transposed, ref in ((False, x), (True, x.T)):
+        dq = octet.dequantize(q, transposed=transposed)
+        assert np.all(np.abs(dq - ref) <= 2.0**-4 * np.abs(ref) + 1e-6)
+
+
+def test_quantize_views_are_zero_copy(x):
+    q = octet.quantize(x, columnwise=True)
+    assert ptr(q.data()) == ptr(q.data())
+    out = np.empty_like(x)
+    assert octet.dequantize(q, out=out) is out
+    assert np.any(out != 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 GEMM
+
+
+def test_fp8_gemm_is_exact_on_small_integers(rng):
+    m, n, k = 32, 48, 64
+    a = rng.integers(-8, 9, (m, k)).astype(np.float32)
+    b = rng.integers(-8, 9, (n, k)).astype(np.float32)
+    bias = rng.integers(-4, 5, n).astype(np.float32)
+    one = np.ones(1, np.float32)
+    qa, qb = octet.quantize(a, scale=one), octet.quantize(b, scale=one)
+    np.testing.assert_array_equal(octet.gemm(qa, qb, bias=bias), a @ b.T + bias)
+    out = np.full((m, n), 1.0, np.float32)
+    octet.gemm(qa, qb, out=out, alpha=2.0, beta=1.0, fast_accum=True)
+    np.testing.assert_array_equal(out, 2 * (a @ b.T) + 1)
+
+
+def test_fp8_gemm_rejects_dimensions_off_the_16_grid(rng):
+    a = octet.quantize(rng.uniform(-1, 1, (17, 64)).astype(np.float32))
+    b = octet.quantize(rng.uniform(-1, 1, (16, 64)).astype(np.float32))
+    with pytest.raises(octet.OctetError, match="16"):
+        octet.gemm(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# Linear against NumPy
+
+# Tolerances, relative to sum_k |a_k b_k| (the size of the terms): f32 differs only in summation
+# order; FP8 rounds each operand to 2^-4 (E4M3) or 2^-3 (E5M2 gradients) of itself, and a
+# product of two rounded operands is within (1 + 2^-4)(1 + 2^-3) - 1 < 0.2 of its magnitude.
+F32_TOL, FP8_FWD_TOL, FP8_BWD_TOL = 1e-5, 0.13, 0.2
+
+
+def assert_matmul_close(got, a, b, tol, add=None):
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    if add is not None:
+        ref = ref + add
+    bound = tol * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)) + 1e-6
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) - bound)
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8"])
+def test_linear_forward_backward_match_numpy(rng, recipe):
+    lin = octet.Linear(64, 32, bias=True, seed=7)
+    x = rng.uniform(-1, 1, (2, 24, 64)).astype(np.float32)
+    dy = rng.uniform(-0.01, 0.01, (2, 24, 32)).astype(np.float32)
+    w, b = lin.weight, lin.bias
+    fwd, bwd = (F32_TOL, F32_TOL) if recipe is None else (FP8_FWD_TOL, FP8_BWD_TOL)
+    reg = octet.Registry()
+    with octet.fp8_autocast(octet.Recipe.from_name(recipe) if recipe else None,
+                            enabled=recipe is not None, registry=reg):
+        y, record = lin.forward(x)
+    assert y.shape == (2, 24, 32) and y.dtype == np.float32
+    x2, dy2 = x.reshape(-1, 64), dy.reshape(-1, 32)
+    assert_matmul_close(y.reshape(-1, 32), x2, w.T, fwd, add=b)
+    dx = lin.backward(dy, record)
+    assert dx.shape == x.shape
+    assert_matmul_close(dx.reshape(-1, 64), dy2, w, bwd)
+    assert_matmul_close(lin.grad_weight, dy2.T, x2, bwd)
+    np.testing.assert_allclose(lin.grad_bias, dy2.sum(axis=0), rtol=1e-5, atol=1e-6)
+    if recipe:
+        reg.finalize_backward()
+        assert lin.fp8_update_counts == (1, 1)
+
+
+def test_linear_views_share_octets_memory_and_gradients_accumulate(rng):
+    lin = octet.Linear(32, 16, seed=3)
+    assert ptr(lin.weight) == ptr(lin.weight)
+    x = rng.uniform(-1, 1, (16, 32)).astype(np.float32)
+    dy = rng.uniform(-1, 1, (16, 16)).astype(np.float32)
+    _, r1 = lin.forward(x)
+    lin.backward(dy, r1)
+    once = lin.grad_weight.copy()
+    _, r2 = lin.forward(x)
+    lin.backward(dy, r2)
+    np.testing.assert_allclose(lin.grad_weight, 2 * once, rtol=1e-6)
+    lin.zero_grad()
+    assert not lin.grad_weight.any()
+    w = lin.weight
+    w *= 0  # an optimizer step through the view
+    lin.weights_updated()
+    y, _ = lin.forward(x)
+    np.testing.assert_array_equal(y, np.broadcast_to(lin.bias, y.shape))
+
+
+def test_recompute_gives_bitwise_the_same_gradients(rng):
+    recipe = octet.Recipe.delayed(amax_history_len=4)
+    lin = octet.Linear(64, 32, seed=11)
+    x = rng.uniform(-1, 1, (48, 64)).astype(np.float32)
+    dy = rng.uniform(-1, 1, (48, 32)).astype(np.float32)
+    reg = octet.Registry()
+    for _ in range(2):  # a second step runs with scales from the first
+        with octet.fp8_autocast(recipe, registry=reg):
+            y, record = lin.forward(x)
+        lin.zero_grad(on_next_write=True)
+        dx = lin.backward(dy, record)
+        reg.finalize_backward()
+    grad = lin.grad_weight.copy()
+    counts = lin.fp8_update_counts
+    record.release_activations()
+    with pytest.raises(octet.OctetValueError, match="released"):
+        lin.backward(dy, record)
+    y2, again = lin.forward(x, mode="recompute", original=record)
+    lin.zero_grad(on_next_write=True)
+    dx2 = lin.backward(dy, again)
+    assert y.tobytes() == y2.tobytes() and dx.tobytes() == dx2.tobytes()
+    assert grad.tobytes() == lin.grad_weight.tobytes()
+    assert lin.fp8_update_counts == counts
+
+
+def test_fp8_state_round_trips_through_a_checkpoint(rng):
+    recipe = octet.Recipe.delayed(amax_history_len=8)
+    a, b = octet.Linear(32, 16, seed=1), octet.Linear(32, 16, seed=1)
+    reg = octet.Registry()
+    with octet.fp8_autocast(recipe, registry=reg):
+        a.forward(rng.uniform(-1, 1, (16, 32)).astype(np.float32))
+    state = a.fp8_state(recipe)
+    assert set(state) == {"forward.scale", "forward.scale_inv", "forward.amax_history",
+                          "backward.scale", "backward.scale_inv", "backward.amax_history"}
+    assert state["forward.amax_history"].shape == (8, 2)
+    assert state["forward.scale"][0] != 1.0  # updated by the pass
+    b.load_fp8_state(recipe, state)
+    for name, value in b.fp8_state(recipe).items():
+        assert value.tobytes() == state[name].tobytes(), name
+    bad = dict(state, **{"forward.scale": np.ones(3, np.float32)})
+    with pytest.raises(octet.OctetValueError, match=r"f32\[2\]"):
+        b.load_fp8_state(recipe, bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input: a Python exception with octet's message, never a crash, never a silent copy
+
+
+def test_bad_tensors_raise(x):
+    with pytest.raises(octet.OctetValueError, match="contiguous"):
+        octet.quantize(x.T)  # a transposed view: octet never copies it
+    with pytest.raises(octet.OctetError, match="i32"):
+        octet.quantize(np.ones((4, 4), np.int32))
+    with pytest.raises(octet.OctetError, match="f16|float16|dtype"):
+        octet.quantize(np.ones((4, 4), np.float16))
+    with pytest.raises(TypeError, match="DLPack"):
+        octet.quantize([[1.0, 2.0]])
+    with pytest.raises(octet.OctetValueError, match="pass no scale"):
+        octet.quantize(x, mode="block_1x128", scale=np.ones(1, np.float32))
+    with pytest.raises(octet.OctetValueError, match="mode"):
+        octet.quantize(x, mode="per_row")
+    q = octet.quantize(x)
+    with pytest.raises(octet.OctetValueError, match="no transposed copy"):
+        octet.dequantize(q, transposed=True)
+    with pytest.raises(octet.OctetError, match=r"\[300, 37\]"):
+        octet.dequantize(q, out=np.empty((COLS, ROWS), np.float32))
+
+
+def test_bad_linear_calls_raise(rng):
+    lin = octet.Linear(64, 32, seed=5)
+    x = rng.uniform(-1, 1, (8, 64)).astype(np.float32)
+    with pytest.raises(octet.OctetError, match="64"):
+        lin.forward(np.ones((8, 32), np.float32))
+    with pytest.raises(octet.OctetError, match="i32"):
+        lin.forward(np.ones((8, 64), np.int32))
+    with pytest.raises(octet.OctetValueError, match="contiguous"):
+        lin.forward(np.asfortranarray(np.ones((8, 64), np.float32)))
+    with pytest.raises(octet.OctetValueError, match="record of a forward"):
+        lin.backward(np.ones((8, 32), np.float32), None)  # backward without a forward
+    _, inference = lin.forward(x, mode="inference")
+    with pytest.raises(octet.OctetValueError, match="inference"):
+        lin.backward(np.ones((8, 32), np.float32), inference)
+    _, record = lin.forward(x)
+    with pytest.raises(octet.OctetError, match="grad_output"):
+        lin.backward(np.ones((8, 16), np.float32), record)
+    with pytest.raises(octet.OctetValueError, match="another Linear"):
+        octet.Linear(64, 32).backward(np.ones((8, 32), np.float32), record)
+    with pytest.raises(octet.OctetValueError, match="original"):
+        lin.forward(x, mode="recompute")
+    with pytest.raises(octet.OctetValueError, match="compute_dtype"):
+        octet.Linear(4, 4, dtype="e4m3")
+    with pytest.raises(octet.OctetValueError, match="device"):
+        octet.Linear(4, 4, device="tpu")
+    built, gpus = octet.cuda_info()
+    if gpus == 0:
+        with pytest.raises(octet.OctetError, match="cuda:0"):
+            octet.Linear(4, 4, device="cuda:0")
+
+
+def test_the_input_of_a_forward_is_kept_alive_without_a_copy(rng):
+    lin = octet.Linear(16, 16, seed=2)
+    x = rng.uniform(-1, 1, (16, 16)).astype(np.float32)
+    import sys
+    refs = sys.getrefcount(x)
+    _, record = lin.forward(x)
+    assert sys.getrefcount(x) == refs + 1  # octet holds the array itself (f32 compute keeps it)
+    del record
+    assert sys.getrefcount(x) == refs
+
+
+def test_api_version():
+    major, minor, library = octet.api_version()
+    assert (major, minor) == (1, 0) and library

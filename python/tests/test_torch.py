@@ -1,0 +1,203 @@
+"""octet.torch.Linear: a torch.nn.Module over octet's Linear. Skipped without PyTorch; the CUDA
+cases are skipped without a GPU."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import octet  # noqa: E402
+import octet.torch as ot  # noqa: E402
+
+from conftest import SEED  # noqa: E402
+
+CUDA = torch.cuda.is_available() and octet.cuda_info()[1] > 0
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(SEED)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parameters_are_octets_memory_and_match_torch_linear(device):
+    lin = ot.Linear(64, 32, device=device)
+    assert isinstance(lin.weight, torch.nn.Parameter) and lin.weight.dtype == torch.float32
+    ref = torch.nn.Linear(64, 32, device=device)
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+        ref.bias.copy_(lin.bias)
+    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = lin(x), ref(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_an_optimizer_step_is_seen_by_the_next_forward():
+    lin = ot.Linear(32, 16)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
+    x = torch.randn(16, 32)
+    for _ in range(2):
+        opt.zero_grad()
+        lin(x).square().sum().backward()
+        opt.step()
+    w = lin.weight.detach().clone()
+    b = lin.bias.detach().clone()
+    # f32 in both, only the summation order differs: within 1e-5 of the terms' magnitude.
+    bound = 1e-5 * (x.abs() @ w.abs().T + b.abs())
+    assert torch.all((lin(x) - (x @ w.T + b)).abs() <= bound)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8"])
+def test_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint):
+        torch.manual_seed(SEED)
+        l1, l2 = ot.Linear(64, 64, device=device), ot.Linear(64, 32, device=device)
+        x = torch.randn(32, 64, device=device, requires_grad=True)
+        r = octet.Recipe.from_name(recipe)
+        reg = octet.Registry()
+        grads = []
+        for _ in range(2):
+            with octet.fp8_autocast(r, registry=reg):
+                f = lambda t: l2(torch.nn.functional.gelu(l1(t)))
+                y = checkpoint(f, x, use_reentrant=False) if use_checkpoint else f(x)
+            y.square().sum().backward()
+            grads.append([t.grad.clone() for t in (x, l1.weight, l1.bias, l2.weight)])
+        return grads, reg.update_counts
+
+    plain, counts = run(False)
+    ckpt, counts_ckpt = run(True)
+    assert counts == counts_ckpt
+    for a, b in zip(plain, ckpt):
+        for ga, gb in zip(a, b):
+            assert ga.cpu().numpy().tobytes() == gb.cpu().numpy().tobytes()
+
+
+def test_state_dict_round_trips_parameters_and_fp8_state(tmp_path):
+    r = octet.Recipe.delayed(amax_history_len=4)
+    a = ot.Linear(32, 16)
+    with octet.fp8_autocast(r):
+        a(torch.randn(16, 32)).sum().backward()
+    torch.save(a.state_dict(), tmp_path / "a.pt")
+    b = ot.Linear(32, 16)
+    b.load_state_dict(torch.load(tmp_path / "a.pt", weights_only=False))
+    assert torch.equal(a.weight, b.weight)
+    sa, sb = a.fp8_state(), b.fp8_state()
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_bad_input_raises_with_octets_message():
+    lin = ot.Linear(64, 32)
+    with pytest.raises(octet.OctetError, match="64"):
+        lin(torch.randn(8, 32))
+    with pytest.raises(octet.OctetValueError, match="contiguous"):
+        lin(torch.randn(64, 8).T)
+    with pytest.raises(octet.OctetError, match="i32|int"):
+        lin(torch.ones(8, 64, dtype=torch.int32))
+    with pytest.raises(octet.OctetError, match="create it with device"):
+        lin.to(torch.float64)
+    with pytest.raises(octet.OctetValueError, match="dtype"):
+        ot.Linear(4, 4, dtype=torch.float16)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_cuda_tensor_on_another_device_than_the_module():
+    lin = ot.Linear(64, 32, device="cuda:0")
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(octet.OctetValueError, match="cuda:1"):
+            lin(torch.randn(8, 64, device="cuda:1"))
+        with torch.cuda.device(0):
+            other = ot.Linear(64, 32, device="cuda:1")
+            y = other(torch.randn(8, 64, device="cuda:1"))
+            assert y.device == torch.device("cuda:1")
+    with pytest.raises(octet.OctetValueError, match="cpu"):
+        lin(torch.randn(8, 64))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_dlpack_zero_copy_on_the_gpu():
+    x = torch.randn(32, 64, device="cuda")
+    amax = torch.zeros(1, device="cuda")
+    q = octet.quantize(x, amax=amax)
+    assert amax.item() == x.abs().max().item()
+    assert q.data().data_ptr() == q.data().data_ptr()
+    out = torch.empty(32, 64, device="cuda")
+    assert octet.dequantize(q, out=out) is out
+
+
+def test_no_grad_forward_leaves_the_fp8_state_alone():
+    lin = ot.Linear(32, 16)
+    r = octet.Recipe.delayed(amax_history_len=4)
+    with octet.fp8_autocast(r):
+        lin(torch.randn(16, 32)).sum().backward()
+    before = lin.fp8_state()
+    counts = lin._core.fp8_update_counts
+    with torch.no_grad(), octet.fp8_autocast(r):
+        lin(torch.randn(16, 32))
+    assert lin._core.fp8_update_counts == counts
+    after = lin.fp8_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _tiny_gpt(linear, device, vocab=256, dim=256, heads=4, seq=128, layers=2):
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(dim, device=device), nn.LayerNorm(dim, device=device)
+            self.qkv, self.proj = linear(dim, 3 * dim, device=device), linear(dim, dim, device=device)
+            self.fc, self.out = linear(dim, 4 * dim, device=device), linear(4 * dim, dim, device=device)
+
+        def forward(self, x):
+            q, k, v = self.qkv(self.ln1(x)).view(-1, seq, 3, heads, dim // heads).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+            x = x + self.proj(a.reshape(-1, seq, dim))
+            return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+    return nn.Sequential(nn.Embedding(vocab, dim, device=device), *[Block() for _ in range(layers)],
+                         nn.LayerNorm(dim, device=device), nn.Linear(dim, vocab, device=device))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+def test_fp8_training_tracks_bf16_within_2_percent():
+    """200 steps of a small GPT on a learnable sequence: octet.torch.Linear in FP8 (delayed) ends
+    within 2% of the loss of torch.nn.Linear under BF16 autocast."""
+    import torch.nn.functional as F
+
+    seq, steps = 128, 200
+    gen = torch.Generator().manual_seed(SEED)
+    # A repeating pattern with noise: learnable, so the two runs' losses fall well below ln(256).
+    base = torch.randint(0, 256, (97,), generator=gen)
+    data = base.repeat(2000)[:150_000].cuda()
+
+    def train(fp8):
+        torch.manual_seed(SEED)
+        model = _tiny_gpt(ot.Linear if fp8 else torch.nn.Linear, "cuda", seq=seq)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator(device="cuda").manual_seed(SEED)
+        losses = []
+        for _ in range(steps):
+            i = torch.randint(0, len(data) - seq - 1, (16, 1), device="cuda", generator=g)
+            i = i + torch.arange(seq, device="cuda")
+            ctx = octet.fp8_autocast(octet.Recipe.delayed()) if fp8 else \
+                torch.autocast("cuda", dtype=torch.bfloat16)
+            with ctx:
+                loss = F.cross_entropy(model(data[i]).float().flatten(0, 1), data[i + 1].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return sum(losses[-10:]) / 10
+
+    fp8, bf16 = train(True), train(False)
+    assert abs(fp8 - bf16) <= 0.02 * bf16, (fp8, bf16)

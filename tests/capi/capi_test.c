@@ -1,0 +1,647 @@
+/* The C API from C11: quantization bit-exact against a reference encoder written here, the FP8
+ * GEMM bit-exact on small integers, Linear forward/backward against naive loops, recompute
+ * bitwise, FP8 state checkpoints, and every error path (a status plus octet's message).
+ * Seeded (OCTET_TEST_SEED overrides; the seed is printed). Ends with "N passed, N failed". */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "octet/octet.h"
+
+static int passed = 0, failed = 0, skipped = 0;
+
+#define CHECK(cond, ...)                                                \
+  do {                                                                  \
+    if (cond) {                                                         \
+      ++passed;                                                         \
+    } else {                                                            \
+      ++failed;                                                         \
+      fprintf(stderr, "FAILED %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                     \
+      fprintf(stderr, "\n");                                            \
+    }                                                                   \
+  } while (0)
+
+/* A call that must succeed. */
+#define OK(call) CHECK((call) == OCTET_OK, "%s", octet_last_error())
+
+/* A call that must fail with `status` and a message containing `needle`. */
+#define FAILS(call, status, needle)                                                         \
+  do {                                                                                      \
+    octet_status st_ = (call);                                                              \
+    CHECK(st_ == (status) && strstr(octet_last_error(), (needle)) != NULL,                  \
+          "status %d (expected %d), message \"%s\" (expected to contain \"%s\")", (int)st_, \
+          (int)(status), octet_last_error(), (needle));                                     \
+  } while (0)
+
+/* ----------------------------------------------------------------------------------------------
+ * Random numbers and DLPack helpers */
+
+static uint64_t rng_state;
+static float uniform(float lo, float hi) { /* xorshift64*, top 24 bits */
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  uint64_t r = rng_state * 2685821657736338717ULL;
+  return lo + (hi - lo) * (float)(r >> 40) / 16777216.0f;
+}
+static void fill(float* x, int64_t n, float lo, float hi) {
+  for (int64_t i = 0; i < n; ++i) x[i] = uniform(lo, hi);
+}
+
+/* A DLTensor over caller memory (row-major, compact). */
+static DLTensor dl(void* data, int ndim, int64_t* shape, uint8_t code, uint8_t bits) {
+  DLTensor t;
+  memset(&t, 0, sizeof t);
+  t.data = data;
+  t.device.device_type = kDLCPU;
+  t.ndim = ndim;
+  t.dtype.code = code;
+  t.dtype.bits = bits;
+  t.dtype.lanes = 1;
+  t.shape = shape;
+  return t;
+}
+static DLTensor dl_f32(float* data, int ndim, int64_t* shape) {
+  return dl(data, ndim, shape, kDLFloat, 32);
+}
+
+/* A DLManagedTensor whose deleter counts its calls (octet_linear_forward consumes its input). */
+static int deleter_calls = 0;
+static void count_deleter(DLManagedTensor* self) {
+  (void)self;
+  ++deleter_calls;
+}
+static DLManagedTensor managed(DLTensor t) {
+  DLManagedTensor m;
+  memset(&m, 0, sizeof m);
+  m.dl_tensor = t;
+  m.deleter = count_deleter;
+  return m;
+}
+
+static int64_t numel(const DLTensor* t) {
+  int64_t n = 1;
+  for (int i = 0; i < t->ndim; ++i) n *= t->shape[i];
+  return n;
+}
+static void release(DLManagedTensor* t) {
+  if (t && t->deleter) t->deleter(t);
+}
+
+/* ----------------------------------------------------------------------------------------------
+ * Reference FP8 codes: the nearest code by search over all codes, ties to the even code,
+ * saturating to the largest finite value (CUDA's __NV_SATFINITE). Independent of octet's encoder.
+ */
+
+static float decode_fp8(uint8_t code, int e5m2) {
+  const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+  const int e = (code & 0x7F) >> mbits, m = code & ((1 << mbits) - 1);
+  float v = e == 0 ? ldexpf((float)m, 1 - bias - mbits)
+                   : ldexpf(1.0f + (float)m / (1 << mbits), e - bias);
+  return (code & 0x80) ? -v : v;
+}
+static uint8_t max_code(int e5m2) { return e5m2 ? 0x7B : 0x7E; }
+static uint8_t encode_fp8(float v, int e5m2) {
+  if (isnan(v)) return 0x7F;
+  const uint8_t sign = signbit(v) ? 0x80 : 0;
+  const float a = fabsf(v);
+  uint8_t best = 0;
+  for (int c = 1; c <= max_code(e5m2); ++c) {
+    const float dc = fabsf(decode_fp8((uint8_t)c, e5m2) - a),
+                db = fabsf(decode_fp8(best, e5m2) - a);
+    if (dc < db || (dc == db && (c & 1) == 0)) best = (uint8_t)c;
+  }
+  return (uint8_t)(sign | best);
+}
+static float float_floor_pow2(float s) {
+  uint32_t bits;
+  memcpy(&bits, &s, 4);
+  bits &= 0xFF800000u;
+  memcpy(&s, &bits, 4);
+  return s;
+}
+
+/* Quantizes x [rows, cols] with `scale` and compares codes and scale_inv with the reference. */
+static void expect_codes(octet_qtensor* q, int transposed, const float* x, int64_t rows,
+                         int64_t cols, int e5m2, const float* block_scale, int64_t block) {
+  DLManagedTensor *data = NULL, *sinv = NULL;
+  OK(octet_qtensor_data(q, transposed, NULL, &data));
+  OK(octet_qtensor_scale_inv(q, transposed, NULL, &sinv));
+  if (!data || !sinv) return;
+  const uint8_t* codes = (const uint8_t*)data->dl_tensor.data;
+  const float* s_inv = (const float*)sinv->dl_tensor.data;
+  int64_t mismatches = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float s = block_scale[block ? r * ((cols + block - 1) / block) + c / block : 0];
+      const uint8_t want = encode_fp8(x[r * cols + c] * s, e5m2);
+      const uint8_t got = transposed ? codes[c * rows + r] : codes[r * cols + c];
+      mismatches += want != got;
+    }
+  CHECK(mismatches == 0, "%lld of %lld codes differ (transposed %d)", (long long)mismatches,
+        (long long)(rows * cols), transposed);
+  if (!transposed) {
+    const int64_t n = numel(&sinv->dl_tensor);
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) bad += s_inv[i] != 1.0f / block_scale[i];
+    CHECK(bad == 0, "%d of %lld scale_inv differ", bad, (long long)n);
+  }
+  release(data);
+  release(sinv);
+}
+
+static void test_recipes(void) {
+  octet_recipe* r = NULL;
+  const char* name = NULL;
+  int kind = -1, len = 0;
+  OK(octet_recipe_delayed(0, 16, OCTET_AMAX_MAX, OCTET_FORMAT_HYBRID, &r));
+  OK(octet_recipe_name(r, &name));
+  OK(octet_recipe_fields(r, &kind, NULL, NULL, &len, NULL, NULL));
+  CHECK(name && strcmp(name, "fp8-delayed") == 0 && kind == 0 && len == 16, "%s", name);
+  octet_recipe_destroy(r);
+  OK(octet_recipe_current(1, OCTET_FORMAT_E4M3, &r));
+  octet_recipe_destroy(r);
+  OK(octet_recipe_block(&r));
+  OK(octet_recipe_name(r, &name));
+  CHECK(strcmp(name, "fp8-block") == 0, "%s", name);
+  octet_recipe_destroy(r);
+  OK(octet_recipe_mxfp8(&r));
+  octet_recipe_destroy(r);
+  OK(octet_recipe_from_name("fp8-current", &r));
+  octet_recipe_destroy(r);
+  FAILS(octet_recipe_delayed(0, 0, OCTET_AMAX_MAX, OCTET_FORMAT_HYBRID, &r),
+        OCTET_ERROR_INVALID_ARGUMENT, "history");
+  FAILS(octet_recipe_delayed(-1, 4, OCTET_AMAX_MAX, OCTET_FORMAT_HYBRID, &r),
+        OCTET_ERROR_INVALID_ARGUMENT, "margin");
+  FAILS(octet_recipe_current(0, (octet_fp8_format)7, &r), OCTET_ERROR_INVALID_ARGUMENT,
+        "octet_fp8_format");
+  FAILS(octet_recipe_from_name("fp9", &r), OCTET_ERROR_INVALID_ARGUMENT, "fp9");
+  FAILS(octet_recipe_block(NULL), OCTET_ERROR_INVALID_ARGUMENT, "out must not be NULL");
+  CHECK(octet_recipe_block(&r) == OCTET_OK && octet_last_error()[0] == '\0',
+        "a success clears the last error: \"%s\"", octet_last_error());
+  octet_recipe_destroy(r);
+}
+
+static void test_quantize(void) {
+  enum { ROWS = 37, COLS = 300 }; /* awkward on purpose: partial 1x128 blocks */
+  static float x[ROWS * COLS];
+  fill(x, ROWS * COLS, -3.0f, 3.0f);
+  int64_t shape[2] = {ROWS, COLS};
+  DLTensor xt = dl_f32(x, 2, shape);
+  octet_quantize_options o;
+  octet_qtensor* q = NULL;
+
+  /* Per-tensor with a given scale, both copies, both formats. */
+  for (int e5m2 = 0; e5m2 <= 1; ++e5m2) {
+    float scale = 37.5f;
+    int64_t one = 1;
+    DLTensor st = dl_f32(&scale, 1, &one);
+    octet_quantize_options_init(&o);
+    o.dtype = e5m2 ? OCTET_E5M2 : OCTET_E4M3;
+    o.columnwise = 1;
+    o.scale = &st;
+    OK(octet_quantize(&xt, &o, NULL, &q));
+    expect_codes(q, 0, x, ROWS, COLS, e5m2, &scale, 0);
+    expect_codes(q, 1, x, ROWS, COLS, e5m2, &scale, 0);
+    /* dequantize = decode(code) * scale_inv, bitwise. */
+    static float dq[ROWS * COLS];
+    DLTensor dqt = dl_f32(dq, 2, shape);
+    OK(octet_dequantize(q, 0, &dqt, NULL));
+    DLManagedTensor* data = NULL;
+    OK(octet_qtensor_data(q, 0, NULL, &data));
+    int bad = 0;
+    for (int i = 0; data && i < ROWS * COLS; ++i)
+      bad += dq[i] != decode_fp8(((uint8_t*)data->dl_tensor.data)[i], e5m2) * (1.0f / scale);
+    CHECK(bad == 0, "%d dequantized values differ", bad);
+    release(data);
+    octet_qtensor_destroy(q);
+  }
+
+  /* Ties round to the even code, large values saturate, tiny ones flush or go subnormal. */
+  {
+    static float ties[16] = {1.0625f, 1.1875f,       -1.0625f,      432.0f, 464.0f, 1000.0f,
+                             -1e9f,   0.0009765625f, 0.0029296875f, 1e-9f,  0.0f,   -0.0f,
+                             3.25f,   0.3125f,       240.0f,        13.0f};
+    int64_t tie_shape[2] = {1, 16}, one_ = 1;
+    float unit = 1.0f;
+    DLTensor tt = dl_f32(ties, 2, tie_shape), ut = dl_f32(&unit, 1, &one_);
+    for (int e5m2 = 0; e5m2 <= 1; ++e5m2) {
+      octet_quantize_options_init(&o);
+      o.dtype = e5m2 ? OCTET_E5M2 : OCTET_E4M3;
+      o.scale = &ut;
+      OK(octet_quantize(&tt, &o, NULL, &q));
+      expect_codes(q, 0, ties, 1, 16, e5m2, &unit, 0);
+      octet_qtensor_destroy(q);
+    }
+  }
+
+  /* Current scaling (no scale given), with an amax output. */
+  float amax_out = 0.5f, amax = 0;
+  int64_t one = 1;
+  DLTensor at = dl_f32(&amax_out, 1, &one);
+  for (int i = 0; i < ROWS * COLS; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  octet_quantize_options_init(&o);
+  o.amax = &at;
+  OK(octet_quantize(&xt, &o, NULL, &q));
+  float current = 448.0f / amax;
+  expect_codes(q, 0, x, ROWS, COLS, 0, &current, 0);
+  CHECK(amax_out == amax, "amax %g, expected %g", amax_out, amax);
+  octet_qtensor_destroy(q);
+
+  /* 1x128 blocks, power-of-2 scales (the default). */
+  const int64_t blocks = (COLS + 127) / 128;
+  static float block_scale[ROWS * ((COLS + 127) / 128)];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      float m = 0;
+      for (int64_t c = b * 128; c < COLS && c < b * 128 + 128; ++c)
+        m = fmaxf(m, fabsf(x[r * COLS + c]));
+      block_scale[r * blocks + b] = float_floor_pow2(m > 0 ? 448.0f / m : 1.0f);
+    }
+  octet_quantize_options_init(&o);
+  o.mode = OCTET_BLOCK_1X128;
+  OK(octet_quantize(&xt, &o, NULL, &q));
+  expect_codes(q, 0, x, ROWS, COLS, 0, block_scale, 128);
+  octet_qtensor_destroy(q);
+
+  /* MXFP8: the round trip stays within E4M3's half-ulp (2^-4 relative) of each value. */
+  octet_quantize_options_init(&o);
+  o.mode = OCTET_MXFP8_1X32;
+  OK(octet_quantize(&xt, &o, NULL, &q));
+  static float dq[ROWS * COLS];
+  DLTensor dqt = dl_f32(dq, 2, shape);
+  OK(octet_dequantize(q, 0, &dqt, NULL));
+  int far = 0;
+  for (int i = 0; i < ROWS * COLS; ++i) far += fabsf(dq[i] - x[i]) > 0.0625f * fabsf(x[i]) + 1e-6f;
+  CHECK(far == 0, "%d MXFP8 round trips off by more than 2^-4 relative", far);
+  octet_qtensor_destroy(q);
+
+  /* Bad input: every one a status and octet's message, none a crash or a copy. */
+  octet_quantize_options_init(&o);
+  static int32_t ints[4] = {1, 2, 3, 4};
+  int64_t four = 4;
+  DLTensor it = dl(ints, 1, &four, kDLInt, 32);
+  FAILS(octet_quantize(&it, &o, NULL, &q), OCTET_ERROR_RUNTIME, "i32");
+  int64_t strides[2] = {1, ROWS}; /* column-major view */
+  DLTensor nc = xt;
+  nc.strides = strides;
+  FAILS(octet_quantize(&nc, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "contiguous");
+  DLTensor opencl = xt;
+  opencl.device.device_type = kDLOpenCL;
+  FAILS(octet_quantize(&opencl, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "device type");
+  DLTensor cuda = xt;
+  cuda.device.device_type = kDLCUDA;
+  cuda.device.device_id = 99;
+  FAILS(octet_quantize(&cuda, &o, NULL, &q), OCTET_ERROR_RUNTIME, "cuda:99");
+  DLTensor misaligned = xt;
+  misaligned.byte_offset = 2;
+  FAILS(octet_quantize(&misaligned, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "aligned");
+  DLTensor lanes = xt;
+  lanes.dtype.lanes = 4;
+  FAILS(octet_quantize(&lanes, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "dtype");
+  float scale = 1.0f;
+  DLTensor st = dl_f32(&scale, 1, &one);
+  o.mode = OCTET_BLOCK_1X128;
+  o.scale = &st;
+  FAILS(octet_quantize(&xt, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "pass no scale");
+  octet_quantize_options_init(&o);
+  o.dtype = OCTET_BF16;
+  FAILS(octet_quantize(&xt, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "OCTET_E4M3");
+  octet_quantize_options_init(&o);
+  o.rowwise = 0;
+  FAILS(octet_quantize(&xt, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "copy");
+  octet_quantize_options_init(&o);
+  OK(octet_quantize(&xt, &o, NULL, &q));
+  FAILS(octet_dequantize(q, 1, &xt, NULL), OCTET_ERROR_INVALID_ARGUMENT, "no transposed copy");
+  int64_t wrong[2] = {COLS, ROWS};
+  DLTensor wt = dl_f32(x, 2, wrong);
+  FAILS(octet_dequantize(q, 0, &wt, NULL), OCTET_ERROR_RUNTIME, "[300, 37]");
+  FAILS(octet_dequantize(NULL, 0, &xt, NULL), OCTET_ERROR_INVALID_ARGUMENT, "q must not be NULL");
+  octet_qtensor_destroy(q);
+}
+
+/* D = A B^T on small integers: every product and sum is exact in f32, so bit-exact. */
+static void test_gemm(void) {
+  enum { M = 32, N = 48, K = 64 };
+  static float a[M * K], b[N * K], d[M * N], bias[N];
+  for (int i = 0; i < M * K; ++i) a[i] = (float)((int)uniform(0, 17) - 8);
+  for (int i = 0; i < N * K; ++i) b[i] = (float)((int)uniform(0, 17) - 8);
+  for (int i = 0; i < N; ++i) bias[i] = (float)((int)uniform(0, 9) - 4);
+  int64_t sa[2] = {M, K}, sb[2] = {N, K}, sd[2] = {M, N}, sbias[1] = {N}, one = 1;
+  DLTensor at = dl_f32(a, 2, sa), bt = dl_f32(b, 2, sb), dt = dl_f32(d, 2, sd);
+  DLTensor biast = dl_f32(bias, 1, sbias);
+  float scale = 1.0f;
+  DLTensor st = dl_f32(&scale, 1, &one);
+  octet_quantize_options o;
+  octet_quantize_options_init(&o);
+  o.scale = &st;
+  o.columnwise = 1;
+  octet_qtensor *qa = NULL, *qb = NULL;
+  OK(octet_quantize(&at, &o, NULL, &qa));
+  OK(octet_quantize(&bt, &o, NULL, &qb));
+  OK(octet_gemm_fp8(qa, 0, qb, 0, &biast, &dt, 1.0f, 0.0f, 0, NULL));
+  int bad = 0;
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < N; ++j) {
+      float acc = bias[j];
+      for (int k = 0; k < K; ++k) acc += a[i * K + k] * b[j * K + k];
+      bad += d[i * N + j] != acc;
+    }
+  CHECK(bad == 0, "%d of %d GEMM outputs differ", bad, M * N);
+  /* The transposed copies: A^T [K, M] as the A operand needs B [N, M]: a shape error. */
+  FAILS(octet_gemm_fp8(qa, 1, qb, 0, NULL, &dt, 1.0f, 0.0f, 0, NULL), OCTET_ERROR_RUNTIME, "K");
+  int64_t s17[2] = {17, K};
+  DLTensor odd = dl_f32(a, 2, s17);
+  octet_qtensor* q17 = NULL;
+  OK(octet_quantize(&odd, &o, NULL, &q17));
+  int64_t sd17[2] = {17, N};
+  DLTensor d17 = dl_f32(d, 2, sd17);
+  FAILS(octet_gemm_fp8(q17, 0, qb, 0, NULL, &d17, 1.0f, 0.0f, 0, NULL), OCTET_ERROR_RUNTIME, "16");
+  octet_qtensor_destroy(q17);
+  octet_qtensor_destroy(qa);
+  octet_qtensor_destroy(qb);
+}
+
+/* Forward/backward of a Linear against naive loops: y = x W^T + b, dx = dy W, dW = dy^T x,
+ * db = sum_rows dy. `rel` scales the tolerance by sum_k |a_k b_k| (the size of the terms). */
+typedef struct {
+  float *x, *w, *b, *dy;
+  int64_t rows, in, out;
+} Problem;
+
+static int compare_matmul(const float* got, const float* a, const float* b, const float* add,
+                          int64_t m, int64_t n, int64_t k, int64_t as_m, int64_t as_k, int64_t bs_n,
+                          int64_t bs_k, float rel) {
+  int bad = 0;
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = add ? add[j] : 0.0, mag = 0.0;
+      for (int64_t p = 0; p < k; ++p) {
+        const double t = (double)a[i * as_m + p * as_k] * b[j * bs_n + p * bs_k];
+        acc += t;
+        mag += fabs(t);
+      }
+      if (fabs(got[i * n + j] - acc) > rel * mag + 1e-6) {
+        if (bad < 3)
+          fprintf(stderr, "  [%lld, %lld]: %g vs %g\n", (long long)i, (long long)j, got[i * n + j],
+                  acc);
+        ++bad;
+      }
+    }
+  return bad;
+}
+
+static void check_linear_against_naive(octet_linear* lin, const Problem* p, float rel_fwd,
+                                       float rel_bwd, octet_registry* reg,
+                                       const octet_recipe* recipe) {
+  int64_t xs[3] = {2, p->rows / 2, p->in}, ys[3] = {2, p->rows / 2, p->out};
+  DLManagedTensor xm = managed(dl_f32(p->x, 3, xs));
+  DLManagedTensor *y = NULL, *dx = NULL, *w = NULL, *gw = NULL, *gb = NULL;
+  octet_saved* saved = NULL;
+  OK(octet_linear_zero_grad(lin, 0, NULL));
+  if (recipe) OK(octet_autocast_enter(recipe, reg));
+  const int calls = deleter_calls;
+  OK(octet_linear_forward(lin, &xm, OCTET_FORWARD_TRAINING, NULL, NULL, &y, &saved));
+  if (recipe) OK(octet_autocast_exit());
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_WEIGHT, NULL, &w));
+  if (!y || !w) return;
+  CHECK(y->dl_tensor.ndim == 3 && y->dl_tensor.shape[2] == p->out &&
+            y->dl_tensor.shape[1] == p->rows / 2,
+        "y has %d dims", y->dl_tensor.ndim);
+  const float* wv = (const float*)w->dl_tensor.data;
+  int bad = compare_matmul((float*)y->dl_tensor.data, p->x, wv, p->b, p->rows, p->out, p->in, p->in,
+                           1, p->in, 1, rel_fwd);
+  CHECK(bad == 0, "%d forward outputs outside %g x sum|x w|", bad, rel_fwd);
+
+  DLTensor dyt = dl_f32(p->dy, 3, ys);
+  OK(octet_linear_backward(lin, &dyt, saved, NULL, &dx));
+  if (reg && recipe) OK(octet_registry_finalize_backward(reg));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_GRAD_WEIGHT, NULL, &gw));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_GRAD_BIAS, NULL, &gb));
+  if (!dx || !gw || !gb) return;
+  /* dx [rows, in] = dy [rows, out] W [out, in]. */
+  bad = compare_matmul((float*)dx->dl_tensor.data, p->dy, wv, NULL, p->rows, p->in, p->out, p->out,
+                       1, 1, p->in, rel_bwd);
+  CHECK(bad == 0, "%d dx values outside %g x sum|dy w|", bad, rel_bwd);
+  /* dW [out, in] = dy^T [out, rows] x [rows, in]. */
+  bad = compare_matmul((float*)gw->dl_tensor.data, p->dy, p->x, NULL, p->out, p->in, p->rows, 1,
+                       p->out, 1, p->in, rel_bwd);
+  CHECK(bad == 0, "%d weight-gradient values outside %g x sum|dy x|", bad, rel_bwd);
+  int bias_bad = 0;
+  for (int64_t j = 0; j < p->out; ++j) {
+    double acc = 0, mag = 0;
+    for (int64_t r = 0; r < p->rows; ++r)
+      acc += p->dy[r * p->out + j], mag += fabs(p->dy[r * p->out + j]);
+    bias_bad += fabs(((float*)gb->dl_tensor.data)[j] - acc) > 1e-5 * mag + 1e-6;
+  }
+  CHECK(bias_bad == 0, "%d bias-gradient values differ from the row sums", bias_bad);
+  release(y);
+  release(dx);
+  release(w);
+  release(gw);
+  release(gb);
+  octet_saved_destroy(saved);
+  CHECK(deleter_calls == calls + 1, "the input's deleter ran %d times", deleter_calls - calls);
+}
+
+/* Bytes of two managed tensors are equal. */
+static int same_bytes(const DLManagedTensor* a, const DLManagedTensor* b) {
+  const int64_t n = numel(&a->dl_tensor) * a->dl_tensor.dtype.bits / 8;
+  return numel(&a->dl_tensor) == numel(&b->dl_tensor) &&
+         memcmp(a->dl_tensor.data, b->dl_tensor.data, (size_t)n) == 0;
+}
+
+static void test_linear(void) {
+  enum { ROWS = 48, IN = 64, OUT = 32 };
+  static float x[ROWS * IN], dy[ROWS * OUT];
+  fill(x, ROWS * IN, -1.0f, 1.0f);
+  fill(dy, ROWS * OUT, -0.01f, 0.01f);
+  DLDevice cpu = {kDLCPU, 0};
+  octet_linear* lin = NULL;
+  OK(octet_linear_create(IN, OUT, 1, cpu, 1234, OCTET_F32, &lin));
+  if (!lin) return;
+  DLManagedTensor* bias = NULL;
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_BIAS, NULL, &bias));
+  if (!bias) return;
+  Problem p = {x, NULL, (float*)bias->dl_tensor.data, dy, ROWS, IN, OUT};
+  /* f32 outside autocast: only the summation order differs from the naive loops. */
+  check_linear_against_naive(lin, &p, 1e-5f, 1e-5f, NULL, NULL);
+
+  /* FP8 under each recipe. E4M3 keeps 2^-4 relative per operand, E5M2 (gradients) 2^-3: a product
+   * of two rounded operands is within (1 + 2^-4)(1 + 2^-3) - 1 < 0.2 of its magnitude. */
+  octet_recipe* recipes[4] = {NULL, NULL, NULL, NULL};
+  OK(octet_recipe_delayed(0, 4, OCTET_AMAX_MAX, OCTET_FORMAT_HYBRID, &recipes[0]));
+  OK(octet_recipe_current(0, OCTET_FORMAT_HYBRID, &recipes[1]));
+  OK(octet_recipe_block(&recipes[2]));
+  OK(octet_recipe_mxfp8(&recipes[3]));
+  octet_registry* reg = NULL;
+  OK(octet_registry_create(&reg));
+  for (int i = 0; i < 4; ++i) check_linear_against_naive(lin, &p, 0.13f, 0.2f, reg, recipes[i]);
+  int64_t fwd = 0, bwd = 0;
+  OK(octet_registry_update_counts(reg, &fwd, &bwd));
+  CHECK(fwd == 4 && bwd == 4, "registry updates: %lld forward, %lld backward", (long long)fwd,
+        (long long)bwd);
+
+  /* Recompute: a record whose activations were released, rebuilt, gives bitwise the same dx and
+   * gradients, and updates no FP8 state (DESIGN.md rule 1). */
+  int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+  DLTensor dyt = dl_f32(dy, 2, ys);
+  DLManagedTensor xm = managed(dl_f32(x, 2, xs)), xm2 = managed(dl_f32(x, 2, xs));
+  DLManagedTensor *y = NULL, *y2 = NULL, *dx = NULL, *dx2 = NULL, *gw = NULL, *gw2 = NULL;
+  octet_saved *saved = NULL, *again = NULL;
+  OK(octet_autocast_enter(recipes[0], reg));
+  OK(octet_linear_forward(lin, &xm, OCTET_FORWARD_TRAINING, NULL, NULL, &y, &saved));
+  OK(octet_autocast_exit());
+  OK(octet_linear_zero_grad(lin, 1, NULL));
+  OK(octet_linear_backward(lin, &dyt, saved, NULL, &dx));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_GRAD_WEIGHT, NULL, &gw));
+  DLManagedTensor* gw_copy = NULL;
+  OK(octet_linear_fp8_update_counts(lin, &fwd, &bwd));
+  OK(octet_saved_release_activations(saved));
+  FAILS(octet_linear_backward(lin, &dyt, saved, NULL, &dx2), OCTET_ERROR_INVALID_ARGUMENT,
+        "released");
+  OK(octet_linear_forward(lin, &xm2, OCTET_FORWARD_RECOMPUTE, saved, NULL, &y2, &again));
+  static float gw_before[OUT * IN];
+  if (gw) memcpy(gw_before, gw->dl_tensor.data, sizeof gw_before);
+  OK(octet_linear_zero_grad(lin, 1, NULL));
+  OK(octet_linear_backward(lin, &dyt, again, NULL, &dx2));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_GRAD_WEIGHT, NULL, &gw2));
+  int64_t fwd2 = 0, bwd2 = 0;
+  OK(octet_linear_fp8_update_counts(lin, &fwd2, &bwd2));
+  if (y && y2 && dx && dx2 && gw2) {
+    CHECK(same_bytes(y, y2), "the recomputed forward differs");
+    CHECK(same_bytes(dx, dx2), "dx after recompute differs");
+    CHECK(memcmp(gw_before, gw2->dl_tensor.data, sizeof gw_before) == 0,
+          "dW after recompute differs");
+    CHECK(fwd2 == fwd && bwd2 == bwd, "recompute updated the FP8 state");
+  }
+  (void)gw_copy;
+  release(y), release(y2), release(dx), release(dx2), release(gw), release(gw2);
+  octet_saved_destroy(again);
+
+  /* Checkpoint: the FP8 state of one layer, set into a fresh one, reads back the same. */
+  octet_linear* fresh = NULL;
+  int count = 0;
+  OK(octet_linear_create(IN, OUT, 1, cpu, 1234, OCTET_F32, &fresh));
+  OK(octet_linear_fp8_state_count(lin, recipes[0], &count));
+  CHECK(count == 6, "%d state tensors", count);
+  for (int i = 0; fresh && i < count; ++i) {
+    DLManagedTensor *v = NULL, *back = NULL;
+    const char* name = NULL;
+    OK(octet_linear_fp8_state_name(i, &name));
+    OK(octet_linear_fp8_state_get(lin, recipes[0], i, NULL, &v));
+    if (!v) continue;
+    OK(octet_linear_fp8_state_set(fresh, recipes[0], i, &v->dl_tensor, NULL));
+    OK(octet_linear_fp8_state_get(fresh, recipes[0], i, NULL, &back));
+    CHECK(back && same_bytes(v, back), "state %s does not round-trip", name);
+    if (i == 0) CHECK(((float*)v->dl_tensor.data)[0] != 1.0f, "the input scale was never updated");
+    release(v), release(back);
+  }
+  FAILS(octet_linear_fp8_state_get(lin, recipes[0], 6, NULL, &y), OCTET_ERROR_INVALID_ARGUMENT,
+        "out of range");
+  float wrong[3] = {1, 2, 3};
+  int64_t three = 3;
+  DLTensor wt = dl_f32(wrong, 1, &three);
+  FAILS(octet_linear_fp8_state_set(fresh, recipes[0], 0, &wt, NULL), OCTET_ERROR_INVALID_ARGUMENT,
+        "f32[2]");
+
+  /* Bad input to a Linear. */
+  DLManagedTensor* out = NULL;
+  octet_saved* s = NULL;
+  const int calls = deleter_calls;
+  DLManagedTensor bad_in = managed(dl_f32(x, 2, (int64_t[]){ROWS * 2, IN / 2}));
+  FAILS(octet_linear_forward(lin, &bad_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_RUNTIME, "64");
+  static int32_t ints[ROWS * IN];
+  DLManagedTensor int_in = managed(dl(ints, 2, xs, kDLInt, 32));
+  FAILS(octet_linear_forward(lin, &int_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_RUNTIME, "i32");
+  DLManagedTensor strided = managed(dl_f32(x, 2, xs));
+  strided.dl_tensor.strides = (int64_t[]){1, ROWS};
+  FAILS(octet_linear_forward(lin, &strided, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_INVALID_ARGUMENT, "contiguous");
+  DLManagedTensor orphan = managed(dl_f32(x, 2, xs));
+  FAILS(octet_linear_forward(NULL, &orphan, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+        OCTET_ERROR_INVALID_ARGUMENT, "linear must not be NULL");
+  DLManagedTensor nosnap = managed(dl_f32(x, 2, xs));
+  FAILS(octet_linear_forward(lin, &nosnap, OCTET_FORWARD_RECOMPUTE, NULL, NULL, &out, &s),
+        OCTET_ERROR_INVALID_ARGUMENT, "original");
+  CHECK(deleter_calls == calls + 5, "consumed inputs released %d times, expected 5",
+        deleter_calls - calls);
+  FAILS(octet_linear_backward(lin, &dyt, NULL, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT,
+        "record of a forward");
+  DLManagedTensor inf_in = managed(dl_f32(x, 2, xs));
+  OK(octet_linear_forward(lin, &inf_in, OCTET_FORWARD_INFERENCE, NULL, NULL, &out, &s));
+  release(out);
+  FAILS(octet_linear_backward(lin, &dyt, s, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT, "inference");
+  FAILS(octet_linear_backward(fresh, &dyt, s, NULL, &out), OCTET_ERROR_INVALID_ARGUMENT,
+        "another Linear");
+  octet_saved_destroy(s);
+  DLManagedTensor ok_in = managed(dl_f32(x, 2, xs));
+  OK(octet_linear_forward(lin, &ok_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s));
+  release(out);
+  DLTensor dy_wrong = dl_f32(dy, 2, (int64_t[]){ROWS / 2, OUT * 2});
+  FAILS(octet_linear_backward(lin, &dy_wrong, s, NULL, &out), OCTET_ERROR_RUNTIME, "grad_output");
+  octet_saved_destroy(s);
+  octet_linear* nobias = NULL;
+  OK(octet_linear_create(IN, OUT, 0, cpu, 1, OCTET_BF16, &nobias));
+  FAILS(octet_linear_tensor_view(nobias, OCTET_LINEAR_BIAS, NULL, &out),
+        OCTET_ERROR_INVALID_ARGUMENT, "no bias");
+  FAILS(octet_linear_create(IN, OUT, 1, cpu, 1, OCTET_E4M3, &lin), OCTET_ERROR_INVALID_ARGUMENT,
+        "compute_dtype");
+  FAILS(octet_linear_create(0, OUT, 1, cpu, 1, OCTET_F32, &lin), OCTET_ERROR_INVALID_ARGUMENT,
+        "positive");
+  FAILS(octet_autocast_exit(), OCTET_ERROR_INVALID_ARGUMENT, "without an open scope");
+  OK(octet_autocast_enter(recipes[0], reg));
+  FAILS(octet_registry_destroy(reg), OCTET_ERROR_INVALID_ARGUMENT, "open autocast");
+  CHECK(octet_autocast_depth() == 1, "depth %d", octet_autocast_depth());
+  OK(octet_autocast_exit());
+
+  /* A GPU module rejects CPU input (the CUDA cases need a GPU). */
+  int with_cuda = 0, gpus = 0;
+  OK(octet_cuda_info(&with_cuda, &gpus));
+  DLDevice gpu = {kDLCUDA, 0};
+  octet_linear* glin = NULL;
+  if (gpus > 0) {
+    OK(octet_linear_create(IN, OUT, 1, gpu, 1, OCTET_F32, &glin));
+    DLManagedTensor cpu_in = managed(dl_f32(x, 2, xs));
+    FAILS(octet_linear_forward(glin, &cpu_in, OCTET_FORWARD_TRAINING, NULL, NULL, &out, &s),
+          OCTET_ERROR_RUNTIME, "cpu");
+    gpu.device_id = gpus;
+    FAILS(octet_linear_create(IN, OUT, 1, gpu, 1, OCTET_F32, &glin), OCTET_ERROR_RUNTIME, "cuda:");
+    octet_linear_destroy(glin);
+  } else {
+    FAILS(octet_linear_create(IN, OUT, 1, gpu, 1, OCTET_F32, &glin), OCTET_ERROR_RUNTIME, "cuda:0");
+    printf("skipped: the CUDA cases (no GPU)\n");
+    ++skipped;
+  }
+
+  octet_linear_destroy(nobias);
+  octet_linear_destroy(fresh);
+  octet_linear_destroy(lin);
+  OK(octet_registry_destroy(reg));
+  for (int i = 0; i < 4; ++i) octet_recipe_destroy(recipes[i]);
+  release(bias);
+}
+
+int main(void) {
+  const char* env = getenv("OCTET_TEST_SEED");
+  const uint64_t seed = env ? strtoull(env, NULL, 10) : 20261201u;
+  rng_state = seed ? seed : 1;
+  int major = 0, minor = 0;
+  const char* version = NULL;
+  octet_version(&major, &minor, &version);
+  printf("octet C API %d.%d (library %s), seed %llu (OCTET_TEST_SEED)\n", major, minor, version,
+         (unsigned long long)seed);
+  CHECK(major == OCTET_C_API_VERSION_MAJOR && minor == OCTET_C_API_VERSION_MINOR, "version %d.%d",
+        major, minor);
+  test_recipes();
+  test_quantize();
+  test_gemm();
+  test_linear();
+  printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+  return failed == 0 ? 0 : 1;
+}
