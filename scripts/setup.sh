@@ -79,9 +79,11 @@ for r in "${required[@]}"; do
   IFS='|' read -r what test package <<<"$r"
   check "$test" || { missing_required+=("$r"); packages+=("$package"); }
 done
+# Optional packages only ride along when apt-get runs anyway: a machine that has everything
+# required (e.g. cmake from pip, no Debian mirror) is not sent to apt-get for a plotting tool.
 for o in "${optional[@]}"; do
   IFS='|' read -r what test package lost <<<"$o"
-  check "$test" || { missing_optional+=("$o"); packages+=("$package"); }
+  check "$test" || { missing_optional+=("$o"); ((${#packages[@]})) && packages+=("$package"); }
 done
 
 if ((${#packages[@]})); then
