@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of the fuzz targets (fuzz/corpus/<target>/): small valid inputs of each
 format, plus a few near-misses, so the fuzzers start from files that reach deep into the readers.
-The files are committed; run this again only to change them."""
+The files are committed; run this again only to change them. Files named regress_* are inputs
+that once broke a reader, kept as seeds (this script does not write them)."""
 import json
 import os
 import struct

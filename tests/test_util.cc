@@ -29,8 +29,13 @@ uint64_t name_hash(const std::string& name) {
 struct RunSeed {
   bool set = false;
   uint64_t value = 0;
-  std::string setting() const { return set ? "OCTET_TEST_SEED=" + std::to_string(value) : ""; }
 };
+
+/// The --gtest_repeat iteration running (0 without repeats). With OCTET_TEST_SEED=N, iteration i
+/// uses N + i, so one process sweeps consecutive seeds; unset, every iteration draws the same.
+int iteration = 0;
+
+uint64_t effective_run_seed(const RunSeed& run) { return run.value + iteration; }
 
 const RunSeed& run_seed() {
   static const RunSeed seed = [] {
@@ -64,14 +69,15 @@ std::string current_test_name() {
 }
 
 std::string seed_line(const TestSeeds& s) {
-  const std::string setting = run_seed().setting();
+  const RunSeed& run = run_seed();
   return "[   SEED   ] " + s.test + " seed " + std::to_string(s.base) +
-         (setting.empty() ? " (from the test name; OCTET_TEST_SEED unset replays it)"
-                          : " (" + setting + " replays it)");
+         (run.set ? " (OCTET_TEST_SEED=" + std::to_string(effective_run_seed(run)) + " replays it)"
+                  : " (from the test name; OCTET_TEST_SEED unset replays it)");
 }
 
 /// Resets the stream at each test's start and names the seed of a failed test.
 class SeedListener : public ::testing::EmptyTestEventListener {
+  void OnTestIterationStart(const ::testing::UnitTest&, int i) override { iteration = i; }
   void OnTestStart(const ::testing::TestInfo&) override { current = TestSeeds{}; }
   void OnTestEnd(const ::testing::TestInfo& info) override {
     if (current.drawn && info.result()->Failed() && GTEST_FLAG_GET(brief))
@@ -92,7 +98,7 @@ uint64_t fresh_seed() {
     const RunSeed& run = run_seed();  // may throw (a bad OCTET_TEST_SEED) before anything is set
     current.test = current_test_name();
     const uint64_t name = name_hash(current.test);
-    current.base = run.set ? mix64(name ^ mix64(run.value)) : mix64(name);
+    current.base = run.set ? mix64(name ^ mix64(effective_run_seed(run))) : mix64(name);
     current.drawn = true;
     if (::testing::UnitTest::GetInstance()->current_test_info() != nullptr)
       ::testing::Test::RecordProperty("seed", std::to_string(current.base));

@@ -380,7 +380,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text, unique_keys);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number no double holds (e.g. 1e400).
     OCTET_ERROR("checkpoint '", path, "': invalid JSON header: ", e.what());
   }
   if (!header.is_object())

@@ -419,6 +419,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         CorruptCase{"InvalidJson", R"({"a":{"dtype":"F32",)", "", "invalid JSON header"},
         CorruptCase{"NotAnObject", "[1, 2]", "", "expected a JSON object header, got array"},
+        CorruptCase{"NumberNoDoubleHolds", R"({"a":1e400})", "",
+                    "invalid JSON header: [json.exception.out_of_range.406] number overflow"},
         CorruptCase{"UnknownDType", R"({"a":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})",
                     k16Bytes,
                     "tensor 'a' has unknown dtype 'F64'; expected one of F32, BF16, F16, I32, "
