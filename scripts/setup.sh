@@ -48,6 +48,9 @@ compiler_package=g++ openmp_package=libgomp1 runtime_package=
 if is_clang; then
   compiler_package=clang openmp_package="libomp-$(clang_major)-dev"
   runtime_package="libclang-rt-$(clang_major)-dev"
+elif [[ "$cxx" == *clang* ]]; then
+  # No clang yet: Debian's default clang and the packages that follow its version.
+  compiler_package=clang openmp_package=libomp-dev runtime_package=libclang-rt-dev
 elif [[ "$cxx" == *g++* ]]; then
   runtime_package=$(basename "$cxx")  # g++ ships its sanitizer runtimes
 fi
