@@ -1,14 +1,111 @@
 #include "test_util.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 namespace octet::testing {
 
+namespace {
+
+// splitmix64's finalizer (Steele, Lea and Flood, 2014): spreads any input over all 64 bits.
+uint64_t mix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// FNV-1a (64-bit): a fixed hash of the test's name, the same with every standard library.
+uint64_t name_hash(const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+/// What OCTET_TEST_SEED asks for: nothing (seeds from the test names alone), a number, or a
+/// number drawn once for the whole run ("random").
+struct RunSeed {
+  bool set = false;
+  uint64_t value = 0;
+};
+
+/// The --gtest_repeat iteration running (0 without repeats). With OCTET_TEST_SEED=N, iteration i
+/// uses N + i, so one process sweeps consecutive seeds; unset, every iteration draws the same.
+int iteration = 0;
+
+uint64_t effective_run_seed(const RunSeed& run) { return run.value + iteration; }
+
+const RunSeed& run_seed() {
+  static const RunSeed seed = [] {
+    const char* text = std::getenv("OCTET_TEST_SEED");
+    if (text == nullptr || text[0] == '\0') return RunSeed{};
+    if (std::string(text) == "random") {
+      std::random_device device;
+      return RunSeed{true, (static_cast<uint64_t>(device()) << 32) ^ device()};
+    }
+    char* end = nullptr;
+    errno = 0;
+    const uint64_t value = std::strtoull(text, &end, 0);
+    if (errno != 0 || *end != '\0' || text[0] == '-')
+      OCTET_ERROR("OCTET_TEST_SEED: expected an unsigned integer or 'random', got '", text, "'");
+    return RunSeed{true, value};
+  }();
+  return seed;
+}
+
+/// The running test's seed stream; reset when a test starts.
+struct TestSeeds {
+  std::string test;    ///< full name, "Suite/Instance.Test/Param"
+  bool drawn = false;  ///< fresh_seed was called in this test
+  uint64_t base = 0;   ///< the test's seed (the first one it draws)
+  uint64_t calls = 0;
+} current;
+
+std::string current_test_name() {
+  const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return info ? std::string(info->test_suite_name()) + "." + info->name() : std::string();
+}
+
+std::string seed_line(const TestSeeds& s) {
+  const RunSeed& run = run_seed();
+  return "[   SEED   ] " + s.test + " seed " + std::to_string(s.base) +
+         (run.set ? " (OCTET_TEST_SEED=" + std::to_string(effective_run_seed(run)) + " replays it)"
+                  : " (from the test name; OCTET_TEST_SEED unset replays it)");
+}
+
+/// Resets the stream at each test's start and names the seed of a failed test.
+class SeedListener : public ::testing::EmptyTestEventListener {
+  void OnTestIterationStart(const ::testing::UnitTest&, int i) override { iteration = i; }
+  void OnTestStart(const ::testing::TestInfo&) override { current = TestSeeds{}; }
+  void OnTestEnd(const ::testing::TestInfo& info) override {
+    if (current.drawn && info.result()->Failed() && GTEST_FLAG_GET(brief))
+      std::printf("%s\n", seed_line(current).c_str());
+  }
+};
+
+// Registered before main (gtest_main) runs the tests; the listener list owns it.
+const bool seed_listener_registered = [] {
+  ::testing::UnitTest::GetInstance()->listeners().Append(new SeedListener);
+  return true;
+}();
+
+}  // namespace
+
 uint64_t fresh_seed() {
-  if (const char* pinned = std::getenv("OCTET_TEST_SEED")) return std::strtoull(pinned, nullptr, 0);
-  static std::random_device device;
-  return (static_cast<uint64_t>(device()) << 32) ^ device();
+  if (!current.drawn) {
+    const RunSeed& run = run_seed();  // may throw (a bad OCTET_TEST_SEED) before anything is set
+    current.test = current_test_name();
+    const uint64_t name = name_hash(current.test);
+    current.base = run.set ? mix64(name ^ mix64(effective_run_seed(run))) : mix64(name);
+    current.drawn = true;
+    if (::testing::UnitTest::GetInstance()->current_test_info() != nullptr)
+      ::testing::Test::RecordProperty("seed", std::to_string(current.base));
+    if (!GTEST_FLAG_GET(brief)) std::printf("%s\n", seed_line(current).c_str());
+  }
+  // The first call returns the test's seed itself, so the printed number is the one traced.
+  return current.calls++ == 0 ? current.base : mix64(current.base + current.calls);
 }
 
 bool small_tests_only() {
@@ -66,17 +163,26 @@ std::vector<float> to_floats(const Tensor& t) {
   std::vector<float> out(t.numel());
   for (int64_t i = 0; i < t.numel(); ++i) {
     switch (t.dtype()) {
-      case DType::f32: std::memcpy(&out[i], &bytes[4 * i], 4); break;
+      case DType::f32:
+        std::memcpy(&out[i], &bytes[4 * i], 4);
+        break;
       case DType::bf16: {
         uint16_t v;
         std::memcpy(&v, &bytes[2 * i], 2);
         out[i] = fp8::decode_bf16(v);
         break;
       }
-      case DType::e4m3: out[i] = fp8::decode_e4m3(bytes[i]); break;
-      case DType::e5m2: out[i] = fp8::decode_e5m2(bytes[i]); break;
-      case DType::e8m0: out[i] = fp8::decode_e8m0(bytes[i]); break;
-      default: OCTET_ERROR("to_floats: unsupported dtype ", dtype_name(t.dtype()));
+      case DType::e4m3:
+        out[i] = fp8::decode_e4m3(bytes[i]);
+        break;
+      case DType::e5m2:
+        out[i] = fp8::decode_e5m2(bytes[i]);
+        break;
+      case DType::e8m0:
+        out[i] = fp8::decode_e8m0(bytes[i]);
+        break;
+      default:
+        OCTET_ERROR("to_floats: unsupported dtype ", dtype_name(t.dtype()));
     }
   }
   return out;

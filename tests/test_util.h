@@ -15,8 +15,12 @@
 
 namespace octet::testing {
 
-/// A seed drawn fresh for every call (so each run tests new inputs), unless OCTET_TEST_SEED pins
-/// it. Tests put it in a SCOPED_TRACE so a failure can be replayed.
+/// The next seed of the running test's stream. The stream is fixed by the test's full name
+/// (suite, test and parameter), so every run draws the same inputs; OCTET_TEST_SEED=N mixes N
+/// into every test's stream and OCTET_TEST_SEED=random mixes in a number drawn once per run (both
+/// to explore other inputs). Successive calls in one test return different seeds. The first call
+/// records the test's seed (the "seed" property of --gtest_output) and prints it: at once, or
+/// with --gtest_brief only when the test fails, with the setting that replays it.
 uint64_t fresh_seed();
 
 /// The backends a parity test runs on: "cpu" always, "cuda:0" always listed (the case skips

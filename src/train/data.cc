@@ -28,6 +28,13 @@ constexpr int32_t kShardMagic = 20240520;
 constexpr int32_t kShardVersion = 1;
 constexpr int64_t kShardHeaderBytes = 256 * sizeof(int32_t);
 
+bool starts_with_shard_magic(std::string_view bytes) {
+  int32_t magic = 0;
+  if (bytes.size() < sizeof(magic)) return false;
+  std::memcpy(&magic, bytes.data(), sizeof(magic));
+  return magic == kShardMagic;
+}
+
 // ----------------------------------------------------------------------------
 // Random numbers: our own generators, so the batch order and the builtin corpus are the same
 // with every standard library (std:: distributions are implementation-defined).
@@ -294,18 +301,38 @@ std::vector<std::string> glob_files(const std::string& pattern) {
   return paths;
 }
 
+/// The largest token id of a segment (0 when it is empty). One pass over the mapping, which
+/// also pages the shard in: memory-bound, a fraction of a second for llm.c's 100M-token shards.
+uint16_t max_token(const Segment& segment) {
+  uint16_t largest = 0;
+#pragma omp parallel for reduction(max : largest)
+  for (int64_t i = 0; i < segment.count; ++i) largest = std::max(largest, segment.tokens[i]);
+  return largest;
+}
+
 std::unique_ptr<TokenSource> bin_source(const std::string& pattern, uint64_t seed) {
   TokenSpan train, val;
+  int largest = 0, train_shards = 0;
   for (const std::string& path : glob_files(pattern)) {
     // Only the file name decides: a folder called "eval" must not turn every shard into val.
     const bool is_val =
         std::filesystem::path(path).filename().string().find("val") != std::string::npos;
-    (is_val ? val : train).append(map_shard(path));
+    Segment shard = map_shard(path);
+    largest = std::max<int>(largest, max_token(shard));
+    train_shards += !is_val;
+    (is_val ? val : train).append(std::move(shard));
   }
-  if (train.size() == 0 && val.size() > 0)
-    OCTET_ERROR("bin:", pattern, ": every matched shard has 'val' in its name; no train tokens");
+  if (train.size() == 0 && val.size() == 0)
+    OCTET_ERROR("bin:", pattern, ": the matched shards hold no tokens");
+  if (train.size() == 0)
+    OCTET_ERROR("bin:", pattern, ": ",
+                train_shards == 0 ? "every matched shard has 'val' in its name"
+                                  : "the shards without 'val' in their names hold no tokens",
+                "; no train tokens");
   if (val.size() == 0) std::tie(train, val) = split_by_position(train);
-  return std::make_unique<SpanSource>(seed, "bin:" + pattern, kMaxVocab, std::move(train),
+  // The vocabulary is what the shards use (GPT-2's tokenizer: 50257), not all of uint16, so
+  // GPT-2 shards fit the GPT-2 presets' padded vocabulary of 50304.
+  return std::make_unique<SpanSource>(seed, "bin:" + pattern, largest + 1, std::move(train),
                                       std::move(val));
 }
 
@@ -488,6 +515,12 @@ std::unique_ptr<TokenSource> make_token_source(const std::string& spec, uint64_t
     OCTET_CHECK(!path.empty(), "expected text:PATH, got '", spec, "'");
     const std::string bytes = read_file_bytes(path, "text file");
     if (bytes.empty()) OCTET_ERROR("text file '", path, "' is empty");
+    // Text holds no NUL bytes; a file that does is binary (an llm.c shard, a checkpoint, ...)
+    // and would train on its bytes without complaint.
+    if (const size_t nul = bytes.find('\0'); nul != std::string::npos)
+      OCTET_ERROR("text file '", path, "' looks binary (a NUL byte at offset ", nul,
+                  "); expected text",
+                  starts_with_shard_magic(bytes) ? " (it is an llm.c shard: use bin:PATH)" : "");
     return byte_source(seed, spec, bytes);
   }
   if (spec.starts_with(kBin)) {

@@ -30,6 +30,8 @@ constexpr const char* kMetadataKey = "__metadata__";
 constexpr const char* kE8M0Note = "e8m0";
 // Offsets above this cannot describe a real file; rejecting them also keeps sums from overflowing.
 constexpr uint64_t kMaxOffset = uint64_t{std::numeric_limits<int64_t>::max()};
+// Dimensions a tensor may have: octet writes at most 3; other writers' models stay well within.
+constexpr size_t kMaxRank = 8;
 // A missing-tensor error lists this many of the file's names.
 constexpr size_t kNamesInErrors = 8;
 
@@ -55,6 +57,42 @@ std::string known_dtype_names() {
   std::string names;
   for (const DTypeName& d : kDTypeNames) names += std::string(names.empty() ? "" : ", ") + d.name;
   return names;
+}
+
+/// `text` with control characters escaped (\n as \x0a), so names and values taken from a file
+/// keep error messages on one line.
+std::string printable(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    if (static_cast<unsigned char>(c) >= 0x20 && c != 0x7f) {
+      out += c;
+      continue;
+    }
+    constexpr char kHex[] = "0123456789abcdef";
+    out += "\\x";
+    out += kHex[static_cast<unsigned char>(c) >> 4];
+    out += kHex[c & 0xf];
+  }
+  return out;
+}
+
+/// A JSON value from a file, shown in an error message: as it is when short and flat (numbers,
+/// short strings, small arrays or objects of those), else by its type and size; dumping a
+/// hostile nesting would recurse without bound and a long one would flood the message.
+std::string brief(const nlohmann::json& value) {
+  constexpr size_t kLongest = 64;
+  const auto short_primitive = [&](const nlohmann::json& v) {
+    return v.is_primitive() &&
+           !(v.is_string() && v.get_ref<const std::string&>().size() > kLongest);
+  };
+  if (short_primitive(value)) return value.dump();
+  if (value.is_structured() && value.size() <= kLongest / 8 &&
+      std::all_of(value.begin(), value.end(), short_primitive))
+    return value.dump();
+  if (value.is_string())
+    return "a string of " + std::to_string(value.get_ref<const std::string&>().size()) + " bytes";
+  return std::string("a JSON ") + value.type_name() + " of " + std::to_string(value.size()) +
+         " elements";
 }
 
 [[noreturn]] void throw_errno(const std::string& what) {
@@ -155,8 +193,8 @@ std::optional<uint32_t> parse_checksum(const std::string& text) {
 uint64_t json_offset(const nlohmann::json& value, const std::string& file, const std::string& name,
                      const char* field) {
   if (!value.is_number_unsigned() || value.get<uint64_t>() > kMaxOffset)
-    OCTET_ERROR("checkpoint '", file, "': tensor '", name, "' has ", field, " value ", value.dump(),
-                " out of range; expected an integer in [0, 2^63)");
+    OCTET_ERROR("checkpoint '", file, "': tensor '", printable(name), "' has ", field, " value ",
+                brief(value), " out of range; expected an integer in [0, 2^63)");
   return value.get<uint64_t>();
 }
 
@@ -170,25 +208,34 @@ struct ParsedEntry {
 ParsedEntry parse_entry(const std::string& file, const std::string& name,
                         const nlohmann::json& value) {
   const auto fail = [&](const std::string& why) -> ParsedEntry {
-    OCTET_ERROR("checkpoint '", file, "': tensor '", name, "' ", why);
+    OCTET_ERROR("checkpoint '", file, "': tensor '", printable(name), "' ", why);
   };
-  if (!value.is_object()) return fail("expected {dtype, shape, data_offsets}, got " + value.dump());
+  if (!value.is_object()) return fail("expected {dtype, shape, data_offsets}, got " + brief(value));
   if (!value.contains("dtype") || !value["dtype"].is_string()) return fail("has no dtype string");
   const std::string dtype_text = value["dtype"].get<std::string>();
   const auto dtype = std::find_if(kDTypeNames.begin(), kDTypeNames.end(),
                                   [&](const DTypeName& d) { return dtype_text == d.name; });
   if (dtype == kDTypeNames.end())
-    return fail("has unknown dtype '" + dtype_text + "'; expected one of " + known_dtype_names());
+    return fail("has unknown dtype '" + printable(dtype_text) + "'; expected one of " +
+                known_dtype_names());
 
   ParsedEntry entry{name, dtype->dtype, {}, 0, 0};
   if (!value.contains("shape") || !value["shape"].is_array()) return fail("has no shape array");
-  uint64_t bytes = dtype_size(entry.dtype);
-  for (const nlohmann::json& extent : value["shape"]) {
-    const uint64_t n = json_offset(extent, file, name, "shape");
-    if (__builtin_mul_overflow(bytes, n, &bytes) || bytes > kMaxOffset)
+  if (value["shape"].size() > kMaxRank)
+    return fail("has a shape of " + std::to_string(value["shape"].size()) +
+                " dimensions; expected at most " + std::to_string(kMaxRank));
+  // `extent` is the product of the non-zero extents: a zero anywhere empties the tensor, but the
+  // other extents must still multiply without overflow (strides and views use them).
+  uint64_t extent = dtype_size(entry.dtype);
+  bool empty = false;
+  for (const nlohmann::json& dim : value["shape"]) {
+    const uint64_t n = json_offset(dim, file, name, "shape");
+    if (n == 0) empty = true;
+    if (n != 0 && (__builtin_mul_overflow(extent, n, &extent) || extent > kMaxOffset))
       return fail("has shape " + value["shape"].dump() + " too large for any file");
     entry.shape.push_back(static_cast<int64_t>(n));
   }
+  const uint64_t bytes = empty ? 0 : extent;
 
   if (!value.contains("data_offsets") || !value["data_offsets"].is_array() ||
       value["data_offsets"].size() != 2)
@@ -215,7 +262,8 @@ uint64_t check_layout(const std::string& file, std::vector<ParsedEntry>& entries
   const ParsedEntry* previous = nullptr;
   for (const ParsedEntry& e : entries) {
     const auto span = [](const ParsedEntry& x) {
-      return "'" + x.name + "' [" + std::to_string(x.begin) + ", " + std::to_string(x.end) + ")";
+      return "'" + printable(x.name) + "' [" + std::to_string(x.begin) + ", " +
+             std::to_string(x.end) + ")";
     };
     if (e.begin < covered)
       OCTET_ERROR("checkpoint '", file, "': data_offsets of tensors ", span(*previous), " and ",
@@ -372,10 +420,23 @@ SafetensorsFile load_safetensors(const std::string& path) {
   std::string text(header_bytes, '\0');
   pread_all(fd, text.data(), text.size(), kLengthBytes);
 
+  // JSON lets a key repeat and the parser keeps the last one; a safetensors header whose tensor
+  // (or field, or metadata key) appears twice is ambiguous, so it is refused.
+  std::vector<std::set<std::string>> keys;  // the keys seen in each open object
+  const auto unique_keys = [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys.emplace_back();
+    if (event == Event::object_end) keys.pop_back();
+    if (event == Event::key && !keys.back().insert(parsed.get<std::string>()).second)
+      OCTET_ERROR("checkpoint '", path, "': key '", printable(parsed.get<std::string>()),
+                  "' appears twice in one object of the JSON header");
+    return true;
+  };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+    header = nlohmann::json::parse(text, unique_keys);
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number no double holds (e.g. 1e400).
     OCTET_ERROR("checkpoint '", path, "': invalid JSON header: ", e.what());
   }
   if (!header.is_object())
@@ -392,8 +453,8 @@ SafetensorsFile load_safetensors(const std::string& path) {
                   value.type_name());
     for (const auto& [meta_key, meta_value] : value.items()) {
       if (!meta_value.is_string())
-        OCTET_ERROR("checkpoint '", path, "': metadata '", meta_key, "' must be a string, got ",
-                    meta_value.dump());
+        OCTET_ERROR("checkpoint '", path, "': metadata '", printable(meta_key),
+                    "' must be a string, got ", brief(meta_value));
       out.metadata_[meta_key] = meta_value.get<std::string>();
     }
   }
@@ -423,7 +484,7 @@ SafetensorsFile load_safetensors(const std::string& path) {
     const std::string name = key.substr(std::strlen(kDTypeNotePrefix));
     const auto it = out.entries_.find(name);
     if (value != kE8M0Note || it == out.entries_.end() || it->second.dtype != DType::u8)
-      OCTET_ERROR("checkpoint '", path, "': metadata note ", key, "='", value,
+      OCTET_ERROR("checkpoint '", path, "': metadata note ", printable(key), "='", printable(value),
                   "' expected 'e8m0' on a U8 tensor of that name");
     it->second.dtype = DType::e8m0;
   }

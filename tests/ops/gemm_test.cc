@@ -558,8 +558,7 @@ TEST_P(GemmParity, MatchesReference) {
   const GemmCase& c = GetParam();
   OCTET_SKIP_IF_UNAVAILABLE(c.backend);
   const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message()
-               << "seed " << seed << " (OCTET_TEST_SEED=" << seed << " replays it)");
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const auto [a_dtype, b_dtype] = operand_dtypes(c.operands);
   const Dims& dims = c.dims;
 

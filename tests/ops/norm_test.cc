@@ -37,6 +37,9 @@ constexpr float kEps = 1e-5f;
 /// a one-pass variance lose digits), the spread keeps rstd near 1.
 constexpr float kMeanOffset = 1.5f;
 constexpr float kSpread = 2.0f;
+/// Smallest |gamma| and |beta| drawn (see make_inputs).
+constexpr float kGammaMin = 0.25f;
+constexpr float kBetaMin = 0.05f;
 
 enum class Norm { layer, rms };
 
@@ -96,8 +99,12 @@ Inputs make_inputs(int64_t rows, int64_t cols, DType dtype, uint64_t seed) {
   for (float& v : x) v += kMeanOffset;
   in.x = make_tensor(x, {rows, cols}, dtype);
   in.dy = make_tensor(testing::uniform_values(rows * cols, -1.0f, 1.0f, rng), {rows, cols}, dtype);
-  in.gamma = make_tensor(testing::uniform_values(cols, -1.5f, 1.5f, rng), {cols}, DType::f32);
-  in.beta = make_tensor(testing::uniform_values(cols, -0.5f, 0.5f, rng), {cols}, DType::f32);
+  // gamma and beta stay away from zero: a norm over one column outputs beta (LayerNorm) or
+  // +-gamma (RMSNorm) on every row, and that output must not be ~0 (the fused-cast check raises
+  // amax from a small value, and a vanishing output would test nothing).
+  in.gamma =
+      make_tensor(testing::signed_magnitudes(cols, kGammaMin, 1.5f, rng), {cols}, DType::f32);
+  in.beta = make_tensor(testing::signed_magnitudes(cols, kBetaMin, 0.5f, rng), {cols}, DType::f32);
   in.xv = to_floats(in.x);
   in.dyv = to_floats(in.dy);
   in.gv = to_floats(in.gamma);

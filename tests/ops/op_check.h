@@ -70,6 +70,13 @@ inline std::vector<float> uniform_values(int64_t n, float lo, float hi, std::mt1
   return v;
 }
 
+/// n values of magnitude uniform in [lo, hi] (0 < lo < hi) with a random sign: far from zero.
+inline std::vector<float> signed_magnitudes(int64_t n, float lo, float hi, std::mt19937_64& rng) {
+  std::vector<float> v = uniform_values(n, lo, hi, rng);
+  for (float& x : v) x = (rng() & 1) ? -x : x;
+  return v;
+}
+
 /// Passes when |got - ref| <= tol * mag + rounding * |ref| for every element; otherwise reports
 /// how many elements fail and the worst one.
 inline ::testing::AssertionResult close_to(const std::vector<float>& got,

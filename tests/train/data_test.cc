@@ -12,6 +12,7 @@
 #include <regex>
 #include <set>
 
+#include "octet/train/trainer.h"
 #include "test_util.h"
 #include "train/scratch_dir.h"
 
@@ -336,7 +337,8 @@ TEST(TextSource, ByteTokensSplitNinetyTen) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
   std::string bytes(1000 + rng() % 3000, '\0');
-  for (char& c : bytes) c = static_cast<char>(rng());  // bytes >= 128 must stay positive
+  // Every byte but NUL (which marks a binary file); bytes >= 128 must stay positive.
+  for (char& c : bytes) c = static_cast<char>(1 + rng() % 255);
   const auto path = scratch_dir() / "corpus.txt";
   write_bytes(path, bytes);
   auto source = make_token_source("text:" + path.string(), seed);
@@ -377,7 +379,10 @@ TEST(BinSource, ShardsConcatenateInSortedOrderWithValFiles) {
   write_shard(dir / "data_train_000.bin", {t0});
   write_bytes(dir / "notes.txt", "not a shard");
   auto source = make_token_source("bin:" + (dir / "data_*.bin").string(), seed);
-  EXPECT_EQ(source->vocab_size(), kMaxVocab);
+  const uint16_t largest =
+      std::max({*std::max_element(t0.begin(), t0.end()), *std::max_element(t1.begin(), t1.end()),
+                *std::max_element(v0.begin(), v0.end())});
+  EXPECT_EQ(source->vocab_size(), largest + 1) << "the largest token id of every shard, + 1";
   std::vector<uint16_t> expected = t0;
   expected.insert(expected.end(), t1.begin(), t1.end());
   EXPECT_EQ(read_all(*source, Split::train), expected);
@@ -417,6 +422,38 @@ TEST(BinSource, WithoutValFilesTheLastTenthIsVal) {
   const size_t val = all.size() / 10;
   EXPECT_EQ(read_all(*source, Split::train), std::vector<uint16_t>(all.begin(), all.end() - val));
   EXPECT_EQ(read_all(*source, Split::val), std::vector<uint16_t>(all.end() - val, all.end()));
+}
+
+/// GPT-2's tokenizer has 50257 tokens; its end-of-text token 50256 is the largest id.
+constexpr uint16_t kGpt2EndOfText = 50256;
+
+TEST(BinSource, VocabularyIsTheLargestTokenIdPlusOne) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const auto dir = scratch_dir();
+  // Shards as llm.c's GPT-2 preprocessing writes them: ids below 50257, documents separated
+  // by the end-of-text token, which only one shard holds here.
+  std::vector<uint16_t> a(800), b(600);
+  for (uint16_t& t : a) t = static_cast<uint16_t>(rng() % kGpt2EndOfText);
+  for (uint16_t& t : b) t = static_cast<uint16_t>(rng() % kGpt2EndOfText);
+  b[rng() % b.size()] = kGpt2EndOfText;
+  write_shard(dir / "gpt2_train_000.bin", {a});
+  write_shard(dir / "gpt2_train_001.bin", {b});
+  auto source = make_token_source("bin:" + (dir / "gpt2_*.bin").string(), seed);
+  EXPECT_EQ(source->vocab_size(), kGpt2EndOfText + 1);
+
+  // The GPT-2 presets take such data as they are (their vocab, 50304, was too small for 65536).
+  for (const char* preset : {"gpt2-124m", "gpt2-350m"}) {
+    TrainOptions options;
+    options.model = preset;
+    const ModelConfig config = resolve_model_config(options, source->vocab_size());
+    EXPECT_GE(config.vocab, kGpt2EndOfText + 1) << preset;
+  }
+
+  // The top id of uint16 makes the vocabulary all of it.
+  write_shard(dir / "top.bin", {{0, 65535, 3}});
+  EXPECT_EQ(make_token_source("bin:" + (dir / "top.bin").string(), seed)->vocab_size(), kMaxVocab);
 }
 
 // ----------------------------------------------------------------------------
@@ -460,6 +497,25 @@ INSTANTIATE_TEST_SUITE_P(
                         return "text:" + (dir / "empty.txt").string();
                       },
                       {"empty.txt' is empty"}},
+        BadSourceCase{"BinaryTextFile",
+                      [](auto& dir) {
+                        write_bytes(dir / "model.pt", std::string("PK\x03\x04\0\0data", 10));
+                        return "text:" + (dir / "model.pt").string();
+                      },
+                      {"model.pt' looks binary (a NUL byte at offset 4); expected text"}},
+        BadSourceCase{"ShardAsText",
+                      [](auto& dir) {
+                        write_shard(dir / "train.bin", {kSomeTokens});
+                        return "text:" + (dir / "train.bin").string();
+                      },
+                      {"train.bin' looks binary", "it is an llm.c shard: use bin:PATH"}},
+        BadSourceCase{"ShardsWithoutTokens",
+                      [](auto& dir) {
+                        write_shard(dir / "a.bin", {});
+                        write_shard(dir / "b_val.bin", {});
+                        return "bin:" + (dir / "*.bin").string();
+                      },
+                      {"*.bin: the matched shards hold no tokens"}},
         BadSourceCase{"WrongMagic",
                       [](auto& dir) {
                         return shard_spec(dir, {kSomeTokens, 20240519});

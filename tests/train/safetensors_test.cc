@@ -419,6 +419,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         CorruptCase{"InvalidJson", R"({"a":{"dtype":"F32",)", "", "invalid JSON header"},
         CorruptCase{"NotAnObject", "[1, 2]", "", "expected a JSON object header, got array"},
+        CorruptCase{"NumberNoDoubleHolds", R"({"a":1e400})", "",
+                    "invalid JSON header: [json.exception.out_of_range.406] number overflow"},
         CorruptCase{"UnknownDType", R"({"a":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})",
                     k16Bytes,
                     "tensor 'a' has unknown dtype 'F64'; expected one of F32, BF16, F16, I32, "
@@ -480,8 +482,55 @@ INSTANTIATE_TEST_SUITE_P(
                     R"("a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})",
                     k16Bytes, "metadata note octet_dtype.a='e8m0' expected 'e8m0' on a U8 tensor"},
         CorruptCase{"EntryNotObject", R"({"a":[1,2,3]})", "",
-                    "tensor 'a' expected {dtype, shape, data_offsets}, got [1,2,3]"}),
+                    "tensor 'a' expected {dtype, shape, data_offsets}, got [1,2,3]"},
+        CorruptCase{
+            "DeeplyNestedEntry",
+            std::string(R"({"a":)") + std::string(100000, '[') + std::string(100000, ']') + "}", "",
+            "tensor 'a' expected {dtype, shape, data_offsets}, got a JSON array of 1"},
+        CorruptCase{"DuplicateTensor",
+                    R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                    R"("a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+                    k16Bytes, "key 'a' appears twice in one object of the JSON header"},
+        CorruptCase{"DuplicateField",
+                    R"({"a":{"dtype":"F32","shape":[4],"dtype":"U8","data_offsets":[0,16]}})",
+                    k16Bytes, "key 'dtype' appears twice"},
+        CorruptCase{"DuplicateMetadataKey", R"({"__metadata__":{"step":"1","step":"2"}})", "",
+                    "key 'step' appears twice"},
+        CorruptCase{
+            "HugeExtentsBesideAZero",
+            R"({"a":{"dtype":"F32","shape":[0,4294967296,4294967296],"data_offsets":[0,0]}})", "",
+            "too large for any file"},
+        CorruptCase{"TooManyDimensions",
+                    R"({"a":{"dtype":"U8","shape":[1,1,1,1,1,1,1,1,1],"data_offsets":[0,1]}})", "x",
+                    "has a shape of 9 dimensions; expected at most 8"},
+        CorruptCase{"ControlCharactersInAName",
+                    R"({"a\nb\u0007":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})",
+                    k16Bytes, R"(tensor 'a\x0ab\x07' has unknown dtype 'F64')"},
+        CorruptCase{"LongMetadataValueNotString",
+                    R"({"__metadata__":{"step":[1,2,3,4,5,6,7,8,9,10]}})", "",
+                    "metadata 'step' must be a string, got a JSON array of 10 elements"}),
     [](const auto& info) { return std::string(info.param.name); });
+
+TEST(SafetensorsCorrupt, ErrorsStayOnOneLine) {
+  const auto path = scratch_dir() / "bad.safetensors";
+  write_file(path, raw_file(R"({"x\ny":{"dtype":"F32","shape":[1],"data_offsets":[0,8]}})",
+                            std::string(8, '\0')));
+  const std::string message = error_of([&] { load_safetensors(path.string()); });
+  EXPECT_THAT(message, HasSubstr(R"(tensor 'x\x0ay')"));
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+}
+
+TEST(SafetensorsCorrupt, HeaderLongerThanTheCap) {
+  // A sparse file: the header length is inside the file, but over the cap, and nothing of it is
+  // read (a hostile length must not make the reader allocate it).
+  const auto path = scratch_dir() / "long_header.safetensors";
+  std::string length(8, '\0');
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>((kMaxHeaderBytes + 1) >> (8 * i));
+  write_file(path, length);
+  std::filesystem::resize_file(path, 8 + kMaxHeaderBytes + 16);
+  EXPECT_THAT(error_of([&] { load_safetensors(path.string()); }),
+              HasSubstr("header length 100000001 exceeds the limit of 100000000 bytes"));
+}
 
 TEST(SafetensorsCorrupt, HeaderLengthBeyondTheFileAndOtherPaths) {
   const auto dir = scratch_dir();

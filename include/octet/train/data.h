@@ -58,7 +58,8 @@ class TokenSource {
   TokenSource(const TokenSource&) = delete;
   TokenSource& operator=(const TokenSource&) = delete;
 
-  /// Token ids are < vocab_size() (<= kMaxVocab).
+  /// Token ids are < vocab_size() (<= kMaxVocab): 256 for byte-level sources, the largest id
+  /// present + 1 for llm.c shards (50257 for GPT-2's tokenizer).
   virtual int vocab_size() const = 0;
   /// Number of tokens in `split`.
   virtual int64_t size(Split split) const = 0;
@@ -88,7 +89,8 @@ class TokenSource {
 };
 
 /// Parses a data spec: "builtin", "text:PATH" or "bin:GLOB" (llm.c shards). Throws octet::Error
-/// naming the problem (unknown spec, missing or empty file, bad shard header or size, ...).
+/// naming the problem (unknown spec, missing, empty or binary text file, bad shard header or
+/// size, shards without tokens, ...).
 std::unique_ptr<TokenSource> make_token_source(const std::string& spec, uint64_t seed);
 
 // ----------------------------------------------------------------------------
