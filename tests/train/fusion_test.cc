@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -21,6 +20,7 @@
 #include "octet/train/safetensors.h"
 #include "octet/train/trainer.h"
 #include "test_util.h"
+#include "train/run_checks.h"
 #include "train/scratch_dir.h"
 
 namespace octet::train {
@@ -114,36 +114,15 @@ void expect_fusions_change_nothing(const TrainOptions& o) {
   }
 }
 
-/// A small text corpus (a text: source skips the builtin corpus's arithmetic evaluation).
-std::string text_corpus() {
-  static const fs::path path = [] {
-    const fs::path p = testing::scratch_dir() / "corpus.txt";
-    std::ofstream out(p);
-    for (int i = 0; i < 2000; ++i)
-      out << "line " << i << ": the " << (i % 7 == 0 ? "quick" : "slow") << " fox jumps over "
-          << (i * 37) % 1000 << " lazy dogs.\n";
-    return p;
-  }();
-  return "text:" + path.string();
-}
-
+/// run_checks.h's micro run, two layers wide enough for a 2-head attention, no statistics.
 TrainOptions small_run(const std::string& device) {
-  TrainOptions o;
-  o.data = text_corpus();
-  o.device = device;
-  o.precision = "fp8-delayed";
-  o.model = "tiny";
+  TrainOptions o = testing::micro_run(testing::scratch_dir() / "run", device);
   o.layers = 2;
   o.dim = 64;
-  o.heads = 2;
   o.ffn = 256;
   o.batch = 4;
   o.seq = 32;
   o.steps = 4;
-  o.warmup = 2;
-  o.lr = 3e-3;
-  o.eval_batches = 1;
-  o.fp8_stats_every = 0;
   o.log_every = 1000;
   return o;
 }
@@ -172,6 +151,7 @@ TEST(FusionEquivalence, FusedCastsAtGpt2SmallShapesOnTheGpu) {
   o.ffn = 3072;
   o.batch = 16;
   o.seq = 512;
+  o.accum = 1;
   o.steps = 3;
   o.lr = 6e-4;
   expect_fusions_change_nothing(o);

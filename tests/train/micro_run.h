@@ -14,29 +14,17 @@
 
 #include "octet/train/safetensors.h"
 #include "octet/train/trainer.h"
+#include "train/run_checks.h"
 #include "train/scratch_dir.h"
 
 namespace octet::testing {
 
-/// A model small enough to train a few steps in well under a second per step on one CPU core.
+/// A model small enough to train a few steps in well under a second per step on one CPU core:
+/// run_checks.h's micro_run on the builtin corpus, with FP8 statistics every 2 steps.
 inline train::TrainOptions micro_options(const std::filesystem::path& out,
                                          const std::string& precision) {
-  train::TrainOptions o;
-  o.device = "cpu";
-  o.precision = precision;
-  o.model = "tiny";
-  o.layers = 1;
-  o.dim = 32;
-  o.heads = 2;
-  o.ffn = 64;
-  o.steps = 6;
-  o.batch = 2;
-  o.seq = 16;
-  o.accum = 2;
-  o.lr = 3e-3;
-  o.warmup = 2;
-  o.out = out.string();
-  o.eval_batches = 1;
+  train::TrainOptions o = micro_run(out, "cpu", precision);
+  o.data = "builtin";
   o.fp8_stats_every = 2;
   return o;
 }

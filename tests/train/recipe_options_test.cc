@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -13,6 +12,7 @@
 #include "octet/train/safetensors.h"
 #include "octet/train/trainer.h"
 #include "test_util.h"
+#include "train/run_checks.h"
 #include "train/scratch_dir.h"
 
 namespace octet::train {
@@ -21,27 +21,11 @@ namespace {
 namespace fs = std::filesystem;
 
 TrainOptions small_run(const fs::path& out) {
-  static const fs::path corpus = [] {
-    const fs::path p = testing::scratch_dir() / "corpus.txt";
-    std::ofstream f(p);
-    for (int i = 0; i < 1000; ++i) f << "record " << i << " holds " << (i * 7919) % 1000 << ".\n";
-    return p;
-  }();
-  TrainOptions o;
-  o.device = "cpu";
-  o.data = "text:" + corpus.string();
-  o.model = "tiny";
-  o.layers = 1;
+  TrainOptions o = testing::micro_run(out, "cpu");
   o.dim = 64;
-  o.heads = 2;
   o.ffn = 128;
-  o.batch = 4;
-  o.seq = 32;
   o.steps = 2;
   o.warmup = 1;
-  o.eval_batches = 1;
-  o.fp8_stats_every = 0;
-  o.out = out.string();
   return o;
 }
 
