@@ -8,8 +8,6 @@
 
 #include <filesystem>
 #include <map>
-#include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -20,6 +18,7 @@
 #include "octet/train/safetensors.h"
 #include "octet/train/trainer.h"
 #include "test_util.h"
+#include "train/micro_run.h"
 #include "train/run_checks.h"
 #include "train/scratch_dir.h"
 
@@ -38,17 +37,6 @@ fs::path newest_checkpoint(const fs::path& dir) {
       newest = p;
   }
   return newest;
-}
-
-/// Every step's loss and grad norm from metrics.jsonl, as text (so equality is exact).
-std::vector<std::string> logged_losses(const fs::path& dir) {
-  std::vector<std::string> out;
-  std::istringstream lines(testing::read_file(dir / "metrics.jsonl"));
-  for (std::string line; std::getline(lines, line);) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    if (j.contains("loss")) out.push_back(j["loss"].dump() + " " + j["grad_norm"].dump());
-  }
-  return out;
 }
 
 struct Run {
@@ -93,7 +81,7 @@ Run train_with_fusions_off(TrainOptions o, const std::vector<Fusion>& off, const
   }
   const fs::path checkpoint = newest_checkpoint(o.out);
   EXPECT_FALSE(checkpoint.empty()) << "no checkpoint in " << o.out;
-  return {checkpoint, logged_losses(o.out)};
+  return {checkpoint, testing::loss_lines(fs::path(o.out) / "metrics.jsonl")};
 }
 
 /// Trains `o` with all fusions on, then with each off and with all off, and compares.
@@ -167,7 +155,8 @@ TEST(FusionEquivalence, FP8StatisticsChangeNoResult) {
   measured.fp8_stats_every = 1;
   measured.out = (testing::scratch_dir() / "measured").string();
   run_train(measured);
-  EXPECT_EQ(logged_losses(measured.out), logged_losses(o.out));
+  EXPECT_EQ(testing::loss_lines(fs::path(measured.out) / "metrics.jsonl"),
+            testing::loss_lines(fs::path(o.out) / "metrics.jsonl"));
   expect_same_checkpoint(newest_checkpoint(o.out), newest_checkpoint(measured.out));
 }
 
