@@ -10,7 +10,7 @@ set(octet_fuzz_flags -fsanitize=address,undefined -fno-sanitize-recover=all
                      -fno-omit-frame-pointer -g)
 file(GLOB octet_reader_sources CONFIGURE_DEPENDS src/core/*.cc)
 list(FILTER octet_reader_sources EXCLUDE REGEX ".*/cuda_[a-z_]*\\.cc$")
-list(APPEND octet_reader_sources src/train/data.cc src/train/safetensors.cc)
+list(APPEND octet_reader_sources src/train/data.cc src/train/safetensors.cc src/train/crc32c.cc)
 add_library(octet_readers STATIC ${octet_reader_sources})
 target_include_directories(octet_readers PUBLIC include PRIVATE src)
 target_compile_options(octet_readers PRIVATE -fsanitize=fuzzer-no-link ${octet_fuzz_flags})
