@@ -156,8 +156,9 @@ TrainOptions resolve_defaults(TrainOptions o) {
   if (o.steps == 0) o.steps = on_gpu ? kGpuSteps : kCpuSteps;
   if (o.batch == 0) o.batch = on_gpu ? kGpuBatch : kCpuBatch;
   if (o.seq == 0) o.seq = on_gpu ? kGpuSeq : kCpuSeq;
-  if (o.lr == 0) o.lr = default_learning_rate(o.dim ? o.dim : model_preset(o.model).dim);
-  if (o.warmup < 0) o.warmup = kDefaultWarmup;
+  const int64_t width = o.dim ? o.dim : model_preset(o.model).dim;
+  if (o.lr == 0) o.lr = default_learning_rate(width);
+  if (o.warmup < 0) o.warmup = default_warmup(width);
   return o;
 }
 

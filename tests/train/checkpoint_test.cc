@@ -356,13 +356,24 @@ TEST(TrainDefaults, LearningRateFollowsTheGpt3TableByWidth) {
   EXPECT_EQ(resolve_defaults(o).lr, 2e-4);
 }
 
-TEST(TrainDefaults, WarmupDoesNotDependOnSteps) {
+TEST(TrainDefaults, WarmupDependsOnTheModelNotOnSteps) {
   TrainOptions o;
   o.device = "cpu";
   for (int64_t steps : {1, 6, 9, 20, 1000}) {
     o.steps = steps;
-    EXPECT_EQ(resolve_defaults(o).warmup, kDefaultWarmup) << steps;
+    EXPECT_EQ(resolve_defaults(o).warmup, 20) << steps;  // tiny
   }
+  o.model = "gpt2-124m";
+  EXPECT_EQ(resolve_defaults(o).warmup, 200);
+  o.model = "gpt2-1.5b";
+  EXPECT_EQ(resolve_defaults(o).warmup, 200);
+  o.warmup = 7;  // given: kept
+  EXPECT_EQ(resolve_defaults(o).warmup, 7);
+  EXPECT_EQ(default_warmup(64), 20);
+  EXPECT_EQ(default_warmup(128), 20);
+  EXPECT_EQ(default_warmup(384), 82);  // between the rows: log-linear
+  EXPECT_EQ(default_warmup(768), 200);
+  EXPECT_EQ(default_warmup(4096), 200);
 }
 
 // ----------------------------------------------------------------------------

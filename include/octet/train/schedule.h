@@ -5,10 +5,6 @@
 
 namespace octet::train {
 
-/// Warmup steps when --warmup is not given. A constant, not a share of --steps, so that a run
-/// continued for more steps keeps the schedule it started with.
-inline constexpr int64_t kDefaultWarmup = 20;
-
 /// Learning rate at 1-based `step`: linear warmup to `peak`, then inverse-square-root decay.
 /// The schedule has no horizon, so it does not depend on --steps: a run resumed with more steps
 /// continues exactly as an uninterrupted one.
@@ -19,5 +15,10 @@ double learning_rate(double peak, int64_t warmup, int64_t step);
 /// 768 by octet's tiny CPU model (2e-3 at width 128), interpolated linearly in log(lr) over
 /// log(width) between rows and held constant beyond the first and last.
 double default_learning_rate(int64_t dim);
+
+/// Warmup steps when --warmup is not given, by the model's width: 20 at octet's tiny model (width
+/// 128), 200 from GPT-2 124M (768) up, interpolated like the learning rate. A property of the
+/// model, not a share of --steps, so that a run continued for more steps keeps its schedule.
+int64_t default_warmup(int64_t dim);
 
 }  // namespace octet::train

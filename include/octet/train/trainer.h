@@ -37,7 +37,7 @@ struct TrainOptions {
   int64_t seq = 0;
   int64_t accum = 1;
   double lr = 0;        ///< peak learning rate; 0 = default_learning_rate(model width)
-  int64_t warmup = -1;  ///< warmup steps; -1 = kDefaultWarmup (20), whatever --steps is
+  int64_t warmup = -1;  ///< warmup steps; -1 = default_warmup(width), whatever --steps is
   double weight_decay = 0.1;
   double grad_clip = 1.0;
   uint64_t seed = 1337;
