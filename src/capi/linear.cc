@@ -237,6 +237,8 @@ octet_status octet_linear_fp8_state_set(octet_linear* linear, const octet_recipe
                      ", got ", v.describe());
     octet::capi::StreamJoin join(t.device(), stream);
     t.copy_from(v);
+    // A restored pass scales from its history from now on, not from its first tensors.
+    linear->module.ensure_fp8_state(recipe->recipe).set_calibrated(state_entry(index).pass, true);
     // The cached weight cast was made with the old weight scale.
     linear->module.on_weights_updated();
   });

@@ -71,6 +71,7 @@ Tensor FP8State::last_amax(fp8::TensorRole role) const {
 
 void FP8State::finish_update(Pass pass) {
   pending_[index(pass)] = false;
+  calibrated_[index(pass)] = true;
   ++updates_[index(pass)];
 }
 

@@ -47,6 +47,14 @@ void current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
                              recipe.power_of_2_scales);
 }
 
+/// True when delayed scaling has no amax history yet for `pass` (a fresh state): instead of the
+/// initial scale 1, which would flush most of a first step's gradients to zero, the pass takes its
+/// scales from the tensors themselves, as current scaling does (FP8State::calibrated).
+bool first_delayed_pass(const FP8State* state, Pass pass) {
+  return state != nullptr && state->recipe().kind == fp8::RecipeKind::delayed &&
+         !state->calibrated(pass);
+}
+
 /// Quantizes the [rows, cols] matrix x for `role`, row-wise and, unless `rowwise_only`, transposed
 /// (a training operand is used both ways; an inference input only row-wise). `scale`: per-tensor
 /// recipes only; `amax_slot`: optional; `column_sums`: optional, (+)= x's column sums (bias
@@ -165,6 +173,8 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
     Tensor scale;
     if (recipe->kind == fp8::RecipeKind::delayed) {
       scale = state_->scale(TensorRole::weight);
+      if (!inference && first_delayed_pass(state_.get(), Pass::forward))
+        current_scale(weight_, *recipe, TensorRole::weight, scale);
     } else if (recipe->kind == fp8::RecipeKind::current) {
       scale = Tensor::empty({1}, DType::f32, device_);
       current_scale(weight_, *recipe, TensorRole::weight, scale);
@@ -277,6 +287,11 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype,
   const fp8::Recipe recipe =
       mode == ForwardMode::recompute ? saved.snapshot.recipe : fp8_context->recipe;
   if (recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
+  // A first pass (of a state not yet built, or built and not yet updated) needs the input's own
+  // amax before its cast, which a fused producer cannot give.
+  const bool fresh_state = state_ == nullptr || !state_->matches(recipe);
+  if (mode == ForwardMode::normal && (fresh_state || first_delayed_pass(state_.get(), Pass::forward)))
+    return std::nullopt;
   Saved out = start_record(saved, mode);
   out.input_q = fp8::QuantizedTensor::allocate(
       rows, in_, recipe.dtype_for(TensorRole::input), recipe.mode_for(TensorRole::input),
@@ -350,6 +365,8 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, const Tensor& residua
     input_scale = snap.input_scale;
     if (recipe.kind == fp8::RecipeKind::current && mode != ForwardMode::recompute)
       current_scale(x, recipe, TensorRole::input, input_scale);
+    if (record && first_delayed_pass(state_.get(), Pass::forward))
+      current_scale(x, recipe, TensorRole::input, input_scale);
   }
   if (!saved.input_prefilled) {
     saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,
@@ -410,6 +427,8 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
   Tensor scale;
   if (recipe.kind == fp8::RecipeKind::delayed) {
     scale = state_->scale(TensorRole::grad_output);
+    if (first_delayed_pass(state_.get(), Pass::backward))
+      current_scale(dy, recipe, TensorRole::grad_output, scale);
   } else if (recipe.kind == fp8::RecipeKind::current) {
     scale = Tensor::empty({1}, DType::f32, device_);
     current_scale(dy, recipe, TensorRole::grad_output, scale);
@@ -430,6 +449,7 @@ std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const 
                                                             fp8::QuantizedTensor& dy_q) {
   const Snapshot& snap = saved.snapshot;
   if (!snap.fp8 || snap.recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
+  if (first_delayed_pass(state_.get(), Pass::backward)) return std::nullopt;
   // The fused producer sums the bias gradient too, which Fusion::bias_grad may have switched off.
   if (grad_bias_.defined() && !fusion_enabled(Fusion::bias_grad)) return std::nullopt;
   if (grad_stats_ != nullptr) return std::nullopt;  // the statistics need the unfused dy

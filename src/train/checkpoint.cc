@@ -147,6 +147,9 @@ void restore_tensors(const SafetensorsFile& file, TrainState& s) {
     Tensor target = t;
     target.copy_from(file.get(name));
   }
+  // A checkpoint is taken after at least one step: its histories hold amaxes to scale from.
+  for (const Fp8Module& m : s.model->fp8_modules())
+    for (nn::Pass pass : {nn::Pass::forward, nn::Pass::backward}) m.state->set_calibrated(pass, true);
 }
 
 std::string metadata_at(const SafetensorsFile& file, const std::string& key) {

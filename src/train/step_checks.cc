@@ -95,6 +95,8 @@ void Fp8Snapshot::capture(const std::vector<std::shared_ptr<nn::FP8State>>& stat
     }
     // ops::cast of f32 to f32 is a stream-ordered copy on the tensors' device.
     for (size_t j = 0; j < tensors.size(); ++j) ops::cast(tensors[j], e.copies[j]);
+    e.calibrated[0] = states[i]->calibrated(nn::Pass::forward);
+    e.calibrated[1] = states[i]->calibrated(nn::Pass::backward);
   }
 }
 
@@ -102,6 +104,8 @@ void Fp8Snapshot::restore() const {
   for (const Entry& e : entries_) {
     const std::vector<Tensor> tensors = fp8_state_tensors(*e.state);
     for (size_t j = 0; j < tensors.size(); ++j) ops::cast(e.copies[j], tensors[j]);
+    e.state->set_calibrated(nn::Pass::forward, e.calibrated[0]);
+    e.state->set_calibrated(nn::Pass::backward, e.calibrated[1]);
   }
 }
 

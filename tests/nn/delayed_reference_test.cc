@@ -3,8 +3,10 @@
 // (fp8_max / amax) / 2^margin kept when amax is 0 or not finite, then torch.roll(history, -1)
 // and row 0 cleared), its timing (forward roles updated after each forward, grad_output after
 // each backward, so step t casts with the scales of steps up to t - 1) and its casts (codes =
-// fp8(x * scale)). The layer runs its unfused paths; tests/train/fusion_test.cc holds every fused
-// path to them bitwise.
+// fp8(x * scale)), with octet's one deliberate difference: a pass with no history yet (the first)
+// casts with scales from its own tensors, fp8_max / amax as current scaling computes them, where
+// TE casts with the initial 1 (FP8State::calibrated says why). The layer runs its unfused paths;
+// tests/train/fusion_test.cc holds every fused path to them bitwise.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 
 #include "octet/fp8/format.h"
 #include "octet/nn/autocast.h"
+#include "octet/nn/cast_stats.h"
 #include "octet/nn/fusion.h"
 #include "octet/nn/linear.h"
 #include "test_util.h"
@@ -36,12 +39,19 @@ struct TeDelayedScaling {
   AmaxAlgo algo;
   std::vector<float> history;  // [len, n]
   std::vector<float> scale;    // [n], 1 at the start
+  bool updated = false;
 
   TeDelayedScaling(int len, int n, float fp8_max, int margin, AmaxAlgo algo)
       : len(len), n(n), fp8_max(fp8_max), margin(margin), algo(algo),
         history(static_cast<size_t>(len * n), 0.0f), scale(static_cast<size_t>(n), 1.0f) {}
 
   void record(int j, float amax) { history[j] = std::max(history[j], amax); }
+
+  /// The scale a cast of role j uses, given the tensor's own amax: octet's first pass scales from
+  /// the tensor itself (current scaling), every later one from the history.
+  float cast_scale(int j, float tensor_amax) const {
+    return updated ? scale[j] : fp8_max / tensor_amax;
+  }
 
   void update() {
     for (int j = 0; j < n; ++j) {
@@ -58,6 +68,7 @@ struct TeDelayedScaling {
       for (int j = 0; j < n; ++j) rolled[i * n + j] = history[((i + 1) % len) * n + j];
     std::fill(rolled.begin(), rolled.begin() + n, 0.0f);
     history = std::move(rolled);
+    updated = true;
   }
 };
 
@@ -116,9 +127,13 @@ TEST_P(DelayedReferenceTest, LinearCastsAndUpdatesAsTransformerEngineDoes) {
     {
       Fp8Autocast scope(recipe, registry);
       layer.forward(x, saved);
-      // The casts of this step use the scales of the steps before it.
-      EXPECT_EQ(codes_off(saved.input_q.data, x_host, forward.scale[0], in_dtype), 0);
-      EXPECT_EQ(codes_off(saved.snapshot.weight->q.data, w_host, forward.scale[1], in_dtype), 0);
+      // The casts of this step use the scales of the steps before it (the first: their own).
+      EXPECT_EQ(codes_off(saved.input_q.data, x_host, forward.cast_scale(0, host_amax(x_host)),
+                          in_dtype),
+                0);
+      EXPECT_EQ(codes_off(saved.snapshot.weight->q.data, w_host,
+                          forward.cast_scale(1, host_amax(w_host)), in_dtype),
+                0);
     }  // the scope's end is the forward update
     forward.record(0, host_amax(x_host));
     forward.record(1, host_amax(w_host));
@@ -126,7 +141,11 @@ TEST_P(DelayedReferenceTest, LinearCastsAndUpdatesAsTransformerEngineDoes) {
     const FP8State& state = *layer.fp8_state();
     EXPECT_EQ(to_floats(state.group(Pass::forward).scale), forward.scale);
 
+    CastStats dy_cast;
+    layer.measure_grad_output(&dy_cast);
     layer.backward(dy, saved);
+    layer.measure_grad_output(nullptr);
+    EXPECT_EQ(dy_cast.scale, backward.cast_scale(0, host_amax(dy_host)));
     registry.finalize_backward();
     backward.record(0, host_amax(dy_host));
     backward.update();

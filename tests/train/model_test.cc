@@ -514,7 +514,8 @@ TEST_P(GPTFp8StatsTest, StatisticsDescribeEachModuleCastWhenAskedFor) {
     } else if (recipe.kind == fp8::RecipeKind::delayed) {
       EXPECT_GT(s.input.scale, 1.0f) << "the second forward uses the scale learned in the first";
       EXPECT_GT(s.grad_output.scale, 1.0f) << "likewise the second backward";
-      EXPECT_EQ(s.weight.scale, 1.0f) << "the weight cast of the step's first microbatch";
+      EXPECT_EQ(s.weight.scale, fp8::kE4M3Max / s.weight.amax)
+          << "the step's weight cast, made by the first microbatch from the weight's own amax";
     } else {
       EXPECT_EQ(s.input.scale, 0.0f) << "block recipes have no per-tensor scale";
       EXPECT_EQ(s.weight.scale, 0.0f);
@@ -537,46 +538,54 @@ INSTANTIATE_TEST_SUITE_P(Recipes, GPTFp8StatsTest,
                          [](const auto& info) { return test_name(info.param); });
 
 TEST(GPTFp8Stats, SaturationAndUnderflowAreCountedFromTheCodes) {
-  // Delayed scaling at its initial scale 1: inputs above 448 saturate E4M3 and inputs below half
-  // its smallest subnormal (2^-10) underflow. The norm gammas set the inputs' magnitudes.
+  // Delayed scaling casts with the scales of the steps before. A first microbatch calibrates them
+  // on the model as initialized (a first pass scales from its own tensors); then the parameters
+  // and the loss scale move far from what it saw, and the second microbatch's casts saturate and
+  // underflow: E4M3's largest code is 448, and values below half its smallest subnormal (2^-10
+  // after scaling) or E5M2's (2^-17) become 0.
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
   GPT model(micro(Arch::gpt2, 1), Precision::from_name("fp8-delayed"), Device::cpu(), seed, false);
-  // gamma = 1e3 on norm1 saturates the qkv input wherever |x_hat| > 0.448 (about 65% of a
-  // normalized row); gamma = 1e-4 on norm2 underflows the fc1 input wherever |x_hat| < 9.8, i.e.
-  // everywhere (|x_hat| <= sqrt(dim - 1) = 5.6). fc2's weight scaled by 1e5 saturates E4M3
-  // wherever |w| > 448e-5 (its init is N(0, 0.02 / sqrt(2)): about 75% of it).
+  const Tensor targets = random_tokens(kRows, 32, seed + 2);
+  model.train_microbatch(random_tokens(kRows, 32, seed + 1), targets, kBatch, kSeq, 1.0f);
+
+  // The calibrated input scales are 448 over amaxes of a few units (normalized rows of 32: |x_hat|
+  // <= sqrt(31) = 5.6). gamma = 1e3 on norm1 then puts qkv's input 1000x past them: it saturates
+  // wherever |x_hat| is above about 0.005, nearly everywhere. gamma = 1e-7 on norm2 puts fc1's
+  // input below 2^-10 wherever |x_hat| < 65 or so: everywhere. fc2's weight scaled by 1e5
+  // saturates wherever |w| > 1e-5 of its calibrated amax.
   for (const Parameter& p : model.parameters()) {
     if (p.name == "blocks.0.norm1.gamma")
       Tensor(p.value).copy_from(Tensor::from_vector(std::vector<float>(32, 1e3f), {32}));
     if (p.name == "blocks.0.norm2.gamma")
-      Tensor(p.value).copy_from(Tensor::from_vector(std::vector<float>(32, 1e-4f), {32}));
+      Tensor(p.value).copy_from(Tensor::from_vector(std::vector<float>(32, 1e-7f), {32}));
     if (p.name == "blocks.0.mlp.fc2.weight") {
       std::vector<float> w = host_values_f32(p.value);
       for (float& v : w) v *= 1e5f;
       Tensor(p.value).copy_from(Tensor::from_vector(w, p.value.shape()));
     }
   }
-  // The first backward casts at scale 1 too; E5M2's smallest subnormal is 2^-16, so the codes
-  // of the residual stream's gradients (fc2's and proj's grad_output), scaled by 2^-20
-  // (grad_scale), underflow nearly everywhere.
+  model.on_weights_updated();  // the weights moved: cast them again
+  // The loss scale 2^-40 puts every gradient far below the calibrated grad_output scales' range:
+  // the residual stream's gradients (proj's and fc2's grad_output) underflow nearly everywhere.
   model.set_collect_fp8_stats(true);
-  model.train_microbatch(random_tokens(kRows, 32, seed + 1), random_tokens(kRows, 32, seed + 2),
-                         kBatch, kSeq, std::ldexp(1.0f, -20));
+  model.train_microbatch(random_tokens(kRows, 32, seed + 3), targets, kBatch, kSeq,
+                         std::ldexp(1.0f, -40));
   const std::vector<Fp8LayerStats> stats = model.fp8_layer_stats();
   ASSERT_EQ(stats.size(), 4u);
-  for (const Fp8LayerStats& s : stats) EXPECT_EQ(s.grad_output.scale, 1.0f) << s.name;
   EXPECT_GT(stats[1].grad_output.underflow_fraction, 0.9) << stats[1].name;
   EXPECT_GT(stats[3].grad_output.underflow_fraction, 0.9) << stats[3].name;
   EXPECT_EQ(stats[0].name, "blocks.0.attn.qkv");
   EXPECT_GT(stats[0].input.saturated_fraction, 0.3);
   EXPECT_LT(stats[0].input.underflow_fraction, 0.01);
   EXPECT_EQ(stats[2].name, "blocks.0.mlp.fc1");
-  EXPECT_EQ(stats[2].input.saturated_fraction, 0.0);
+  EXPECT_LT(stats[2].input.saturated_fraction, 0.01);
   EXPECT_GT(stats[2].input.underflow_fraction, 0.9);
   EXPECT_EQ(stats[3].name, "blocks.0.mlp.fc2");
   EXPECT_GT(stats[3].weight.saturated_fraction, 0.5);
-  EXPECT_EQ(stats[0].weight.saturated_fraction, 0.0) << "qkv's weight keeps its init";
+  // qkv's weight keeps its init, and its scale came from its own amax: only that element (or a
+  // tie) reaches the largest code.
+  EXPECT_LE(stats[0].weight.saturated_fraction * 96 * 32, 2.0) << "qkv's weight keeps its init";
 }
 
 // ----------------------------------------------------------------------------

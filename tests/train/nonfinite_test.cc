@@ -213,22 +213,35 @@ Tensor random_ids(int64_t n, int64_t vocab, uint64_t seed) {
   return t;
 }
 
+/// A two-layer FP8-delayed model and a function that trains it on one random microbatch.
+struct SnapshotModel {
+  static ModelConfig config() {
+    ModelConfig c = model_preset("tiny");
+    c.layers = 2;
+    c.dim = 32;
+    c.heads = 2;
+    c.ffn = 64;
+    return c;
+  }
+  SnapshotModel(const Device& device, uint64_t seed)
+      : model(config(), Precision::from_name("fp8-delayed"), device, seed, false) {}
+  void microbatch(uint64_t s) {
+    constexpr int64_t kBatch = 2, kSeq = 16;
+    const int64_t vocab = config().vocab;
+    model.train_microbatch(random_ids(kBatch * kSeq, vocab, s),
+                           random_ids(kBatch * kSeq, vocab, s + 1), kBatch, kSeq, 1.0f);
+  }
+  GPT model;
+};
+
 TEST_P(Fp8SnapshotTest, RestoresEveryByteOfEveryState) {
   const Device device = Device::parse(GetParam());
   OCTET_SKIP_IF_UNAVAILABLE(device);
   const uint64_t seed = octet::testing::fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  ModelConfig config = model_preset("tiny");
-  config.layers = 2;
-  config.dim = 32;
-  config.heads = 2;
-  config.ffn = 64;
-  GPT model(config, Precision::from_name("fp8-delayed"), device, seed, false);
-  constexpr int64_t kBatch = 2, kSeq = 16;
-  const auto microbatch = [&](uint64_t s) {
-    model.train_microbatch(random_ids(kBatch * kSeq, config.vocab, s),
-                           random_ids(kBatch * kSeq, config.vocab, s + 1), kBatch, kSeq, 1.0f);
-  };
+  SnapshotModel m(device, seed);
+  GPT& model = m.model;
+  const auto microbatch = [&](uint64_t s) { m.microbatch(s); };
   microbatch(seed);  // nonzero amaxes and scales to start from
   const auto states = model.registry().states();
   ASSERT_EQ(states.size(), 2u * 4u);
@@ -250,6 +263,31 @@ TEST_P(Fp8SnapshotTest, RestoresEveryByteOfEveryState) {
   snapshot.restore();
   const auto after = bytes();
   for (size_t i = 0; i < before.size(); ++i) EXPECT_EQ(after[i], before[i]) << "tensor " << i;
+}
+
+TEST_P(Fp8SnapshotTest, RestoringAFirstStepLeavesTheStatesToCalibrateAgain) {
+  // A skipped first step must leave the states as new: their next pass scales from its own
+  // tensors again (FP8State::calibrated), not from the initial scale 1 the bytes went back to.
+  const Device device = Device::parse(GetParam());
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = octet::testing::fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  SnapshotModel m(device, seed);
+  const auto states = m.model.registry().states();
+  ASSERT_EQ(states.size(), 2u * 4u);
+  const auto count_calibrated = [&] {
+    int n = 0;
+    for (const auto& s : states)
+      n += s->calibrated(nn::Pass::forward) + s->calibrated(nn::Pass::backward);
+    return n;
+  };
+  EXPECT_EQ(count_calibrated(), 0);
+  Fp8Snapshot snapshot;
+  snapshot.capture(states);
+  m.microbatch(seed);
+  EXPECT_EQ(count_calibrated(), 2 * static_cast<int>(states.size()));
+  snapshot.restore();
+  EXPECT_EQ(count_calibrated(), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, Fp8SnapshotTest,

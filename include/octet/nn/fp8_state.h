@@ -61,6 +61,13 @@ class FP8State {
   void mark_recorded(Pass pass) { pending_[index(pass)] = true; }
   bool pending(Pass pass) const { return pending_[index(pass)]; }
 
+  /// True once `pass` has amaxes in its history: a finalize updated it, or a checkpoint or snapshot
+  /// restored one that had. Before that, delayed scaling has no amax to take a scale from, and
+  /// Linear takes the pass's first scales from the tensors themselves (current scaling) rather
+  /// than the initial 1, which would flush most of a first step's gradients to zero.
+  bool calibrated(Pass pass) const { return calibrated_[index(pass)]; }
+  void set_calibrated(Pass pass, bool calibrated) { calibrated_[index(pass)] = calibrated; }
+
   /// Updates applied to this state by finalize, per pass.
   int64_t forward_updates() const { return updates_[0]; }
   int64_t backward_updates() const { return updates_[1]; }
@@ -77,6 +84,7 @@ class FP8State {
   Tensor last_amax_[2];
   bool pending_[2] = {false, false};
   int64_t updates_[2] = {0, 0};
+  bool calibrated_[2] = {false, false};
 };
 
 /// Extension point for distributed amax reduction (the dist layer implements it; nn stays free

@@ -47,6 +47,7 @@ class Fp8Snapshot {
   struct Entry {
     std::shared_ptr<nn::FP8State> state;
     std::vector<Tensor> copies;
+    bool calibrated[2] = {false, false};  ///< FP8State::calibrated per pass, forward first
   };
   std::vector<Entry> entries_;
 };
