@@ -7,7 +7,8 @@
 #
 #   scripts/bisect-delayed.sh cpu|gpu [BUILD_DIR] [OUT_DIR]   (defaults: build, runs/bisect-MODE)
 #
-# Environment: STEPS (gpu 1500, cpu 600), CORPUS (fortunes), CORPUS_DIR (.corpora), VARIANTS
+# Environment: STEPS (gpu 1500, cpu 600), CORPUS (fortunes), CORPUS_DIR (.corpora), STATS_EVERY
+# (FP8 statistics into each run's metrics.jsonl every N steps; default 0, never), LOG_EVERY (100), VARIANTS
 # (default: every one below, by name).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -55,7 +56,7 @@ for v in "${VARIANTS[@]}"; do
   # shellcheck disable=SC2086
   "$BUILD/octet" train --device "$DEVICE" --model "$MODEL" ${ARGS[$v]} --steps "$STEPS" \
     --data "text:$CORPUS_DIR/$CORPUS.txt" --batch 16 --seq "$SEQ" --seed 7 --out "$run" \
-    --eval-batches 32 --fp8-stats-every 0 --log-every 100 >"$run.log" 2>&1 ||
+    --eval-batches 32 --fp8-stats-every "${STATS_EVERY:-0}" --log-every "${LOG_EVERY:-100}" >"$run.log" 2>&1 ||
     { echo "bisect-delayed.sh: $v failed (see $run.log)" >&2; exit 1; }
   val=$(val_of "$run")
   [ "$v" = bf16 ] && base=$val

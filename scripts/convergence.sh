@@ -14,7 +14,9 @@
 #
 # Environment: STEPS, PRECISIONS (default: bf16 and the four FP8 recipes), CORPORA (default:
 # fortunes vimdoc), CORPUS_DIR (default .corpora), MAX_GAP_PCT (default 1), EVAL_BATCHES
-# (default 32), EXTRA_ARGS (more `octet train` flags, e.g. "--unfuse norm-cast" to bisect).
+# (default 32), EXTRA_ARGS (more `octet train` flags, e.g. "--unfuse norm-cast" to bisect),
+# REPORT_ONLY=1 (train nothing: the table and plots of the runs already in OUT_DIR, e.g. runs
+# brought back from the GPU machine, whose gnuplot-less image cannot plot them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODE="${1:-}"
@@ -36,12 +38,17 @@ EVAL_BATCHES="${EVAL_BATCHES:-32}"
 read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 LAST=50  # logged train steps averaged for the final train loss: single steps are noisy
 
-[ -x "$BUILD/octet" ] || { echo "convergence.sh: no $BUILD/octet; build first" >&2; exit 2; }
 [ "${PRECISIONS[0]}" = bf16 ] || { echo "convergence.sh: PRECISIONS must start with bf16" >&2; exit 2; }
-CORPUS_DIR="$(scripts/corpora.sh "${CORPUS_DIR:-.corpora}")"
+if [ -n "${REPORT_ONLY:-}" ]; then
+  CORPORA_TO_TRAIN=()
+else
+  [ -x "$BUILD/octet" ] || { echo "convergence.sh: no $BUILD/octet; build first" >&2; exit 2; }
+  CORPUS_DIR="$(scripts/corpora.sh "${CORPUS_DIR:-.corpora}")"
+  CORPORA_TO_TRAIN=("${CORPORA[@]}")
+fi
 mkdir -p "$OUT"
 
-for corpus in "${CORPORA[@]}"; do
+for corpus in "${CORPORA_TO_TRAIN[@]}"; do
   for p in "${PRECISIONS[@]}"; do
     run="$OUT/$corpus-$p"
     echo "== $corpus $p ($MODEL, $STEPS steps, $DEVICE)" >&2
