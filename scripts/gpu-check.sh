@@ -6,7 +6,7 @@
 #                                       (default: the first four)
 #
 # convergence (scripts/convergence.sh gpu: every precision on two real-text corpora at the GPT-2
-# 124M layout, 1500 steps each, about 7 minutes) needs a call of its own after a build:
+# 124M layout, 1500 steps each, about 5.2 minutes on an H200) needs a call of its own after a build:
 #   scripts/gpu-check.sh build convergence     (carry .corpora: scripts/corpora.sh makes it here;
 #                                               the GPU machine has no package registry)
 #
