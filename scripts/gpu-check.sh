@@ -5,6 +5,9 @@
 #   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench convergence
 #                                       (default: the first four)
 #
+# What the GPU machine lacks travels with the call: run scripts/carry.sh here first and name
+# .carry and .corpora in the device call's carry.
+#
 # convergence (scripts/convergence.sh gpu: every precision on two real-text corpora at the GPT-2
 # 124M layout, 1500 steps each, about 5.2 minutes on an H200) needs a call of its own after a build:
 #   scripts/gpu-check.sh build convergence     (carry .corpora: scripts/corpora.sh makes it here;
@@ -74,9 +77,21 @@ stage_build() {
   local start rc target
   start=$(now)
   : >"$OUT/build.log"
+  # The C API needs DLPack's header, which the GPU machine's image lacks (and it has no package
+  # registry): scripts/carry.sh copies this machine's into .carry/include, which the device call
+  # names in its carry. Without either, the C API is left out and the summary says so.
+  local c_api=(-DOCTET_BUILD_C_API=ON)
+  if [[ ! -f /usr/include/dlpack/dlpack.h ]]; then
+    if [[ -f .carry/include/dlpack/dlpack.h ]]; then
+      c_api+=(-DOCTET_DLPACK_INCLUDE_DIR="$PWD/.carry/include")
+    else
+      c_api=(-DOCTET_BUILD_C_API=OFF)
+      fail build "no dlpack/dlpack.h (run scripts/carry.sh and carry .carry): C API not built"
+    fi
+  fi
   # CMAKE_CUDA_ARCHITECTURES is left to the CMakeLists default: the GPU's own (nvidia-smi).
   cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DOCTET_WITH_CUDA=ON \
-    -DOCTET_BUILD_TESTS=ON -DOCTET_BUILD_BENCHMARKS=ON >>"$OUT/build.log" 2>&1
+    -DOCTET_BUILD_TESTS=ON -DOCTET_BUILD_BENCHMARKS=ON "${c_api[@]}" >>"$OUT/build.log" 2>&1
   rc=$?
   if [[ $rc -ne 0 ]]; then
     fail build "cmake configure exited $rc (build.log)"
