@@ -5,7 +5,8 @@
 # (default: all). Used by scripts/test.sh, scripts/train.sh and scripts/fuzz.sh.
 #
 # Environment: OCTET_BUILD_DIR (default build), OCTET_CMAKE_ARGS (extra cmake arguments; with
-# -DOCTET_SANITIZE=ON or -DOCTET_FUZZ=ON the sanitizer and libFuzzer runtimes are checked too),
+# -DOCTET_SANITIZE=ON or -DOCTET_FUZZ=ON the sanitizer and libFuzzer runtimes are checked too;
+# OpenMPI is required unless -DOCTET_WITH_MPI=OFF),
 # CXX (the compiler CMake will use; default g++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +39,10 @@ openmp_ok() { printf '#include <omp.h>\nint main() { return omp_get_max_threads(
 clang_major() { "$cxx" -dumpversion | cut -d. -f1; }
 is_clang() { "$cxx" --version 2>/dev/null | grep -q clang; }
 sanitizers_ok() { echo 'int main() { return 0; }' | compiles -fsanitize=address,undefined; }
+mpi_ok() {  # the MPI C++ compiler wrapper and its header
+  command -v mpicxx >/dev/null &&
+    echo '#include <mpi.h>' | mpicxx -x c++ -E - >/dev/null 2>&1
+}
 libfuzzer_ok() {
   printf '#include <cstddef>\n#include <cstdint>\nextern "C" int LLVMFuzzerTestOneInput(const uint8_t*, size_t) { return 0; }\n' |
     compiles -fsanitize=fuzzer
@@ -65,6 +70,9 @@ required=(
   "DLPack (the C API's tensors)|header dlpack/dlpack.h|libdlpack-dev"
   "OpenMP ($cxx -fopenmp)|openmp_ok|$openmp_package"
 )
+# MPI (data parallelism over CPU ranks, scripts/test.sh runs it under mpirun) unless turned off.
+[[ "$cmake_args" != *-DOCTET_WITH_MPI=OFF* ]] &&
+  required+=("OpenMPI (mpicxx, mpirun)|mpi_ok|libopenmpi-dev" "mpirun|command -v mpirun|openmpi-bin")
 [[ "$cmake_args" == *-DOCTET_SANITIZE=ON* || "$cmake_args" == *-DOCTET_FUZZ=ON* ]] &&
   required+=("ASan+UBSan runtimes ($cxx)|sanitizers_ok|$runtime_package")
 [[ "$cmake_args" == *-DOCTET_FUZZ=ON* ]] &&
