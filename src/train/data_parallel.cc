@@ -41,25 +41,26 @@ DataParallel::DataParallel(std::shared_ptr<dist::Communicator> comm) : comm_(std
 void DataParallel::check_run(const TrainOptions& o) const {
   if (!active()) return;
   // Rank 0's fingerprint to everyone, then every rank's verdict to everyone: a rank whose
-  // options differ knows it, and the MAX tells the others, so all of them stop here together.
+  // options differ knows it, and the MAX (of rank + 1 where they differ) tells the others which,
+  // so all of them stop here together with the same message.
   const uint64_t mine = options_fingerprint(o);
   Tensor theirs = Tensor::empty({1}, DType::i64);
   *theirs.data<int64_t>() = static_cast<int64_t>(mine);
   comm_->broadcast(std::span(&theirs, 1), 0);
-  Tensor differs = Tensor::from_vector(
-      {static_cast<uint64_t>(*theirs.data<int64_t>()) == mine ? 0.0f : 1.0f}, {1});
-  comm_->all_reduce(std::span(&differs, 1), dist::ReduceOp::max);
-  if (*differs.data<float>() != 0.0f)
+  const bool same = static_cast<uint64_t>(*theirs.data<int64_t>()) == mine;
+  // Ranks are far below 2^24: exact in f32.
+  Tensor differing = Tensor::from_vector({same ? 0.0f : static_cast<float>(rank_ + 1)}, {1});
+  comm_->all_reduce(std::span(&differing, 1), dist::ReduceOp::max);
+  if (const int last = static_cast<int>(*differing.data<float>()); last != 0)
     throw dist::CollectiveError(
         __FILE__, __LINE__,
         "the " + std::to_string(size_) + " ranks were not given the same options (rank " +
-            std::to_string(rank_) +
-            (static_cast<uint64_t>(*theirs.data<int64_t>()) == mine ? "'s match" : "'s differ") +
-            " from rank 0's): launch every rank with the same octet train command line");
+            std::to_string(last - 1) +
+            "'s differ from rank 0's): launch every rank with the same octet train command line");
   if (o.accum % size_ != 0)
     throw dist::CollectiveError(
         __FILE__, __LINE__,
-        "--accum " + std::to_string(o.accum) + " is the microbatches per step over all " +
+        "--accum " + std::to_string(o.accum) + " counts the microbatches of a step over all " +
             std::to_string(size_) + " ranks, so it must be a multiple of the world size " +
             std::to_string(size_) + ": use --accum " + std::to_string(size_) + " (or a multiple)");
   if (o.guard || o.guard_skip)

@@ -100,7 +100,9 @@ TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {
                        dir);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output, "octet: error: the 2 ranks were not given the same options"), 2u)
+  EXPECT_EQ(count(r.output, "octet: error: the 2 ranks were not given the same options (rank 1's "
+                            "differ from rank 0's)"),
+            2u)
       << r.output;
   EXPECT_FALSE(fs::exists(dir / "x" / "metrics.jsonl")) << "nothing trained";
 }
@@ -111,7 +113,7 @@ TEST(DistCli, AnAccumTheWorldSizeDoesNotDivideFailsOnEveryRank) {
   const Result r = run(on_two_ranks(std::string(kTiny) + " --accum 3 --out x"), dir);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output, "octet: error: --accum 3 is the microbatches per step over all 2 "
+  EXPECT_EQ(count(r.output, "octet: error: --accum 3 counts the microbatches of a step over all 2 "
                             "ranks, so it must be a multiple of the world size 2"),
             2u)
       << r.output;
