@@ -1,5 +1,6 @@
 // The MPI communicator (CPU tensors) and the process's world: from_environment() and shutdown().
 // Built with OCTET_WITH_MPI=1; without MPI, from_environment() refuses a multi-process launch.
+#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <mutex>
@@ -22,7 +23,8 @@ namespace {
 /// MPI counts are ints: larger buffers go in chunks of this many elements.
 constexpr int64_t kMaxChunk = std::numeric_limits<int>::max();
 
-/// Applies `call(pointer, count)` to `bytes` bytes at `data` in chunks MPI can count.
+/// Applies `call(pointer, n)` to `count` elements of `element_size` bytes at `data`, in chunks
+/// of at most kMaxChunk elements.
 template <typename Call>
 void in_chunks(char* data, int64_t count, size_t element_size, Call&& call) {
   for (int64_t at = 0; at < count; at += kMaxChunk) {

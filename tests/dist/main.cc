@@ -3,6 +3,8 @@
 // `mpirun -np 2 octet_dist_tests`; one process runs the tests that need one rank and skips the rest.
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include "octet/dist/communicator.h"
 
 int main(int argc, char** argv) {
