@@ -90,6 +90,32 @@ TEST(DistCli, TwoRanksTrainLikeOneProcessWithTheSameAccum) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * b[i]) << "step " << i + 1;
 }
 
+TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const std::string args = std::string(kTiny) + " --precision fp8-delayed --accum 2";
+  const std::string six = args.substr(0, args.find("--steps 3")) + "--steps 6" +
+                          args.substr(args.find("--steps 3") + 9);
+  ASSERT_EQ(run(on_two_ranks(six + " --out whole"), dir).exit_code, 0);
+  ASSERT_EQ(run(on_two_ranks(args + " --out split"), dir).exit_code, 0);
+  const Result resumed = run(on_two_ranks(six + " --out split --resume split"), dir);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  // Every rank restores the same checkpoint and data position: bitwise the uninterrupted run.
+  testing::expect_same_tensors(dir / "whole" / "checkpoint-000006.safetensors",
+                               dir / "split" / "checkpoint-000006.safetensors");
+  // The data position does not depend on the world size, so one process with the same --accum
+  // continues rank 0's checkpoint (the same microbatches; FP32 order and FP8 history differ).
+  const Result alone =
+      run(octet(six + " --out split --resume split/checkpoint-000003.safetensors"), dir);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const std::vector<double> a = losses(dir / "whole" / "metrics.jsonl");
+  const std::vector<double> b = losses(dir / "split" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  // tests/dist/data_parallel_test.cc's fp8-delayed loss tolerance.
+  for (size_t i = 3; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 5e-4 * a[i]) << "step " << i + 1;
+}
+
 TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();
