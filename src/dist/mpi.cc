@@ -158,10 +158,11 @@ bool built_with_mpi() { return false; }
 
 std::shared_ptr<Communicator> from_environment() {
   const int size = launcher_world_size();
-  OCTET_CHECK(size <= 1, "launched as ", size,
-              " processes (mpirun), but this octet was built without MPI (OCTET_WITH_MPI=0), so "
-              "each would train alone: install libopenmpi-dev (scripts/setup.sh does) and "
-              "rebuild, or run a single process");
+  if (size > 1)
+    OCTET_ERROR("launched as ", size,
+                " processes (mpirun), but this octet was built without MPI (OCTET_WITH_MPI=0), "
+                "so each would train alone: install libopenmpi-dev (scripts/setup.sh does) and "
+                "rebuild, or run a single process");
   return std::make_shared<SingleProcess>();
 }
 

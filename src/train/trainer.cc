@@ -399,6 +399,8 @@ void train(const TrainOptions& options) {
 }
 
 void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
+  OCTET_CHECK(dist::launcher_world_size() == 1, "octet bench train measures one process, but ",
+              dist::launcher_world_size(), " were launched (mpirun): run it without mpirun");
   RunSetup run = prepare_run(options);
   auto& [o, device, precision, data, config, unfused] = run;
   const nn::UnfusedScope unfused_scope(unfused);

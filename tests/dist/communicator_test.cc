@@ -18,9 +18,9 @@ namespace {
 std::shared_ptr<Communicator> world() { return from_environment(); }
 
 /// Skips a test that needs several ranks when run alone.
-#define REQUIRE_RANKS()                                                              \
-  do {                                                                               \
-    if (world()->size() < 2) GTEST_SKIP() << "needs mpirun -np 2 (or more) ranks";   \
+#define REQUIRE_RANKS()                                                            \
+  do {                                                                             \
+    if (world()->size() < 2) GTEST_SKIP() << "needs mpirun -np 2 (or more) ranks"; \
   } while (false)
 
 /// Rank r's input: `n` values from a generator seeded by (seed, r). Small integers when
@@ -60,8 +60,7 @@ bool same_on_every_rank(Communicator& comm, const std::vector<float>& values) {
   Tensor root = Tensor::from_vector(values, {static_cast<int64_t>(values.size())});
   comm.broadcast(std::span(&root, 1), 0);
   Tensor differs = Tensor::from_vector(
-      {std::memcmp(root.raw_data(), values.data(), values.size() * sizeof(float)) == 0 ? 0.f
-                                                                                       : 1.f},
+      {std::memcmp(root.raw_data(), values.data(), values.size() * sizeof(float)) == 0 ? 0.f : 1.f},
       {1});
   comm.all_reduce(std::span(&differs, 1), ReduceOp::max);
   return testing::to_floats(differs)[0] == 0.0f;
@@ -80,9 +79,8 @@ TEST(DistCommunicator, SumOfSmallIntegersIsExactAcrossAwkwardlySplitTensors) {
   auto comm = world();
   // The ranks split the same flat buffer differently: the reduction is over the flat buffer in
   // the given order, not tensor by tensor.
-  const std::vector<int64_t> sizes =
-      comm->rank() % 2 == 0 ? std::vector<int64_t>{3, 1481, 1, 677}
-                            : std::vector<int64_t>{677, 1, 1481, 3};
+  const std::vector<int64_t> sizes = comm->rank() % 2 == 0 ? std::vector<int64_t>{3, 1481, 1, 677}
+                                                           : std::vector<int64_t>{677, 1, 1481, 3};
   const int64_t n = 3 + 1481 + 1 + 677;
   const uint64_t seed = 11;
   std::vector<Tensor> tensors = split(input_of(comm->rank(), n, seed, true), sizes);
@@ -146,12 +144,13 @@ TEST(DistCommunicator, RejectsWhatItCannotReduce) {
   REQUIRE_RANKS();
   auto comm = world();
   Tensor ints = Tensor::zeros({2}, DType::i64);
-  EXPECT_NE(testing::error_of([&] { comm->all_reduce(std::span(&ints, 1), ReduceOp::sum); })
-                .find("f32"),
-            std::string::npos);
+  EXPECT_NE(
+      testing::error_of([&] { comm->all_reduce(std::span(&ints, 1), ReduceOp::sum); }).find("f32"),
+      std::string::npos);
   Tensor f = Tensor::zeros({1}, DType::f32);
-  EXPECT_NE(testing::error_of([&] { comm->broadcast(std::span(&f, 1), comm->size()); })
-                .find("not a rank"),
+  EXPECT_NE(testing::error_of([&] {
+              comm->broadcast(std::span(&f, 1), comm->size());
+            }).find("not a rank"),
             std::string::npos);
 }
 

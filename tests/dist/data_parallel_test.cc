@@ -40,7 +40,7 @@ TrainOptions tiny_options(const std::string& precision, int world_size) {
 struct TrainedRun {
   std::vector<double> losses;
   std::vector<std::pair<std::string, Tensor>> tensors;  ///< checkpoint_tensors: all state
-  TrainState state;  ///< keeps the tensors' model alive
+  TrainState state;                                     ///< keeps the tensors' model alive
 };
 
 /// kSteps steps of `o` on `dp`'s world (a single process when dp is inactive).
@@ -78,8 +78,8 @@ bool same_on_every_rank(dist::Communicator& comm, uint64_t value) {
   Tensor root = Tensor::empty({1}, DType::i64);
   *root.data<int64_t>() = static_cast<int64_t>(value);
   comm.broadcast(std::span(&root, 1), 0);
-  Tensor differs = Tensor::from_vector(
-      {static_cast<uint64_t>(*root.data<int64_t>()) == value ? 0.f : 1.f}, {1});
+  Tensor differs =
+      Tensor::from_vector({static_cast<uint64_t>(*root.data<int64_t>()) == value ? 0.f : 1.f}, {1});
   comm.all_reduce(std::span(&differs, 1), dist::ReduceOp::max);
   return testing::to_floats(differs)[0] == 0.0f;
 }
@@ -185,8 +185,7 @@ TEST_P(DataParallelTraining, ALostRanksGradientWouldBeCaught) {
   EXPECT_GT(rel, tol.weight) << "the weight tolerance would not see a lost rank";
 }
 
-INSTANTIATE_TEST_SUITE_P(Precisions, DataParallelTraining,
-                         ::testing::Values("bf16", "fp8-delayed"),
+INSTANTIATE_TEST_SUITE_P(Precisions, DataParallelTraining, ::testing::Values("bf16", "fp8-delayed"),
                          [](const auto& info) {
                            std::string n = info.param;
                            for (char& c : n)

@@ -1,6 +1,7 @@
 // The main of octet_dist_tests: MPI starts before the tests and ends after them (every rank runs
 // every test, in the same order, so their collectives meet). Run it under
-// `mpirun -np 2 octet_dist_tests`; one process runs the tests that need one rank and skips the rest.
+// `mpirun -np 2 octet_dist_tests`; one process runs the tests that need one rank and skips the
+// rest.
 #include <gtest/gtest.h>
 
 #include <cstdio>

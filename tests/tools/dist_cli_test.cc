@@ -3,6 +3,7 @@
 // a non-zero exit, no hang). Skips when mpirun or the MPI build is missing.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -10,7 +11,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
-#include <sys/wait.h>
 #include <vector>
 
 #include "octet/dist/communicator.h"
@@ -49,12 +49,16 @@ Result run(const std::string& command, const fs::path& dir) {
   return r;
 }
 
-std::string octet(const std::string& args) { return std::string("'") + OCTET_CLI_PATH + "' " + args; }
+std::string octet(const std::string& args) {
+  return std::string("'") + OCTET_CLI_PATH + "' " + args;
+}
 std::string on_two_ranks(const std::string& args) {
   return std::string(kMpirun) + " -np 2 " + octet(args);
 }
 
-bool have_mpirun() { return dist::built_with_mpi() && std::system("command -v mpirun >/dev/null 2>&1") == 0; }
+bool have_mpirun() {
+  return dist::built_with_mpi() && std::system("command -v mpirun >/dev/null 2>&1") == 0;
+}
 
 size_t count(const std::string& text, const std::string& what) {
   size_t n = 0;
@@ -64,7 +68,8 @@ size_t count(const std::string& text, const std::string& what) {
 
 std::vector<double> losses(const fs::path& metrics) {
   std::vector<double> out;
-  for (const nlohmann::json& j : testing::step_lines(metrics)) out.push_back(j["loss"].get<double>());
+  for (const nlohmann::json& j : testing::step_lines(metrics))
+    out.push_back(j["loss"].get<double>());
   return out;
 }
 
@@ -75,7 +80,8 @@ TEST(DistCli, TwoRanksTrainLikeOneProcessWithTheSameAccum) {
   const Result dp = run(on_two_ranks(args + " --out dp"), dir);
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
   EXPECT_EQ(count(dp.output, "octet train:"), 1u) << "one header: rank 0's\n" << dp.output;
-  EXPECT_THAT(dp.output, HasSubstr("data parallel: world size 2 (mpi, 2 ranks), 1 microbatch(es) per rank"));
+  EXPECT_THAT(dp.output,
+              HasSubstr("data parallel: world size 2 (mpi, 2 ranks), 1 microbatch(es) per rank"));
   EXPECT_EQ(count(dp.output, "done: step 3"), 1u) << dp.output;
   EXPECT_TRUE(fs::exists(dir / "dp" / "checkpoint-000003.safetensors"));
 
@@ -126,8 +132,9 @@ TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {
                        dir);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output, "octet: error: the 2 ranks were not given the same options (rank 1's "
-                            "differ from rank 0's)"),
+  EXPECT_EQ(count(r.output,
+                  "octet: error: the 2 ranks were not given the same options (rank 1's "
+                  "differ from rank 0's)"),
             2u)
       << r.output;
   EXPECT_FALSE(fs::exists(dir / "x" / "metrics.jsonl")) << "nothing trained";
@@ -139,8 +146,9 @@ TEST(DistCli, AnAccumTheWorldSizeDoesNotDivideFailsOnEveryRank) {
   const Result r = run(on_two_ranks(std::string(kTiny) + " --accum 3 --out x"), dir);
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output, "octet: error: --accum 3 counts the microbatches of a step over all 2 "
-                            "ranks, so it must be a multiple of the world size 2"),
+  EXPECT_EQ(count(r.output,
+                  "octet: error: --accum 3 counts the microbatches of a step over all 2 "
+                  "ranks, so it must be a multiple of the world size 2"),
             2u)
       << r.output;
 }

@@ -12,7 +12,7 @@ namespace octet::train {
 
 struct StepResult {
   double loss = 0, lr = 0;  ///< the step's mean loss (over every rank's microbatches), its lr
-  StepVerdict verdict;  ///< the grad norm, whether the step was skipped, the guard's flags
+  StepVerdict verdict;      ///< the grad norm, whether the step was skipped, the guard's flags
 };
 
 /// One optimizer step: `accum` microbatches, the checks, AdamW with clipping. A step that fails
