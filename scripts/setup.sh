@@ -6,7 +6,8 @@
 #
 # Environment: OCTET_BUILD_DIR (default build), OCTET_CMAKE_ARGS (extra cmake arguments; with
 # -DOCTET_SANITIZE=ON or -DOCTET_FUZZ=ON the sanitizer and libFuzzer runtimes are checked too;
-# OpenMPI is required unless -DOCTET_WITH_MPI=OFF),
+# OpenMPI is wanted unless -DOCTET_WITH_MPI=OFF: installed when missing, but a machine that cannot
+# get it still builds, without data parallelism),
 # CXX (the compiler CMake will use; default g++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,9 +71,6 @@ required=(
   "DLPack (the C API's tensors)|header dlpack/dlpack.h|libdlpack-dev"
   "OpenMP ($cxx -fopenmp)|openmp_ok|$openmp_package"
 )
-# MPI (data parallelism over CPU ranks, scripts/test.sh runs it under mpirun) unless turned off.
-[[ "$cmake_args" != *-DOCTET_WITH_MPI=OFF* ]] &&
-  required+=("OpenMPI (mpicxx, mpirun)|mpi_ok|libopenmpi-dev" "mpirun|command -v mpirun|openmpi-bin")
 [[ "$cmake_args" == *-DOCTET_SANITIZE=ON* || "$cmake_args" == *-DOCTET_FUZZ=ON* ]] &&
   required+=("ASan+UBSan runtimes ($cxx)|sanitizers_ok|$runtime_package")
 [[ "$cmake_args" == *-DOCTET_FUZZ=ON* ]] &&
@@ -84,12 +82,23 @@ optional=(
   "ccache|command -v ccache|ccache|rebuilds recompile every file"
 )
 [[ "$cmake_args" == *-DOCTET_BUILD_BENCHMARKS=OFF* ]] && optional=("${optional[@]:1}")
+# Wanted: "what|check|package|what is lost without it". Unlike the optional ones, a missing one
+# sends setup to apt-get by itself; unlike the required ones, one apt-get cannot install is not
+# fatal (e.g. a GPU machine without a package mirror).
+wanted=()
+[[ "$cmake_args" != *-DOCTET_WITH_MPI=OFF* ]] &&
+  wanted+=("OpenMPI (mpicxx, mpi.h)|mpi_ok|libopenmpi-dev|no data parallelism: octet train runs one process, no octet_dist_tests"
+           "mpirun|command -v mpirun|openmpi-bin|scripts/test.sh skips the data-parallel tests")
 
 check() { eval "$1" >/dev/null 2>&1; }
 missing_required=() missing_optional=() packages=()
 for r in "${required[@]}"; do
   IFS='|' read -r what test package <<<"$r"
   check "$test" || { missing_required+=("$r"); packages+=("$package"); }
+done
+for w in "${wanted[@]}"; do
+  IFS='|' read -r what test package lost <<<"$w"
+  check "$test" || packages+=("$package")
 done
 # Optional packages only ride along when apt-get runs anyway: a machine that has everything
 # required (e.g. cmake from pip, no Debian mirror) is not sent to apt-get for a plotting tool.
@@ -127,7 +136,7 @@ if ((failed)); then
   echo "octet setup: install the above (apt-get, pip install cmake, ...) and run again" >&2
   exit 1
 fi
-for o in "${missing_optional[@]}"; do
+for o in "${wanted[@]}" "${missing_optional[@]}"; do
   IFS='|' read -r what test package lost <<<"$o"
   check "$test" || echo "octet setup: no $what (optional; Debian package $package): $lost"
 done
