@@ -1,6 +1,7 @@
 // The MPI communicator (CPU tensors) and the process's world: from_environment() and shutdown().
 // Built with OCTET_WITH_MPI=1; without MPI, from_environment() refuses a multi-process launch.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <limits>
 #include <mutex>
@@ -39,11 +40,27 @@ void check_cpu(const Tensor& t, const char* what) {
               t.describe());
 }
 
+/// MPI_MAX over floats that keeps a NaN whatever the order: MPI's own MAX may compute
+/// (a > b ? a : b), which drops a NaN on one side, so one rank's non-finite amax could vanish
+/// from the reduction (or survive on some ranks only) instead of skipping the step everywhere.
+void nan_propagating_max(void* in, void* inout, int* count, MPI_Datatype*) {
+  const float* a = static_cast<const float*>(in);
+  float* b = static_cast<float*>(inout);
+  for (int i = 0; i < *count; ++i)
+    if (std::isnan(a[i]) || a[i] > b[i]) b[i] = a[i];
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator() {
     OCTET_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     OCTET_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+    OCTET_CHECK_MPI(MPI_Op_create(&nan_propagating_max, /*commute=*/1, &max_));
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Op_free(&max_);
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -74,8 +91,9 @@ class MpiCommunicator final : public Communicator {
     }
     in_chunks(reinterpret_cast<char*>(data), total, sizeof(float), [&](char* p, int n) {
       if (op == ReduceOp::max) {
-        // MAX is exact and order-free: every rank computes the same bits.
-        OCTET_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, p, n, MPI_FLOAT, MPI_MAX, MPI_COMM_WORLD));
+        // MAX is exact and order-free (NaN included, see nan_propagating_max): every rank
+        // computes the same value.
+        OCTET_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, p, n, MPI_FLOAT, max_, MPI_COMM_WORLD));
       } else {
         // A float sum depends on its order, and MPI_Allreduce may sum in a different order on
         // each rank: reduce on rank 0 (a fixed order for a fixed world size), then broadcast,
@@ -109,6 +127,7 @@ class MpiCommunicator final : public Communicator {
 
  private:
   int rank_ = 0, size_ = 1;
+  MPI_Op max_ = MPI_OP_NULL;
   std::vector<float> flat_;
 };
 

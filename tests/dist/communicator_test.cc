@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -124,6 +126,23 @@ TEST(DistCommunicator, MaxIsExact) {
     for (size_t i = 0; i < reference.size(); ++i) reference[i] = std::max(reference[i], in[i]);
   }
   EXPECT_EQ(joined(tensors), reference);
+}
+
+TEST(DistCommunicator, MaxKeepsANaNFromAnyRank) {
+  REQUIRE_RANKS();
+  auto comm = world();
+  // Element r is NaN on rank r only, the last element +inf on the last rank only: a MAX written
+  // as (a > b ? a : b) drops a NaN on one side of the comparison.
+  const int n = comm->size();
+  std::vector<float> mine(static_cast<size_t>(n) + 1, 1.0f + static_cast<float>(comm->rank()));
+  mine[static_cast<size_t>(comm->rank())] = std::numeric_limits<float>::quiet_NaN();
+  if (comm->rank() == n - 1) mine[static_cast<size_t>(n)] = std::numeric_limits<float>::infinity();
+  Tensor t = Tensor::from_vector(mine, {n + 1});
+  comm->all_reduce(std::span(&t, 1), ReduceOp::max);
+  const std::vector<float> got = testing::to_floats(t);
+  for (int i = 0; i < n; ++i)
+    EXPECT_TRUE(std::isnan(got[static_cast<size_t>(i)])) << "element " << i;
+  EXPECT_EQ(got[static_cast<size_t>(n)], std::numeric_limits<float>::infinity());
 }
 
 TEST(DistCommunicator, BroadcastCopiesTheRootsBytesOfAnyDtype) {

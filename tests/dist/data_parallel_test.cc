@@ -187,6 +187,36 @@ TEST_P(DataParallelTraining, ALostRanksGradientWouldBeCaught) {
   EXPECT_GT(rel, tol.weight) << "the weight tolerance would not see a lost rank";
 }
 
+TEST(DistDataParallelSkips, OneRanksNonFiniteAmaxSkipsTheStepOnEveryRank) {
+  auto comm = dist::from_environment();
+  if (comm->size() < 2) GTEST_SKIP() << "needs mpirun -np 2 (or more) ranks";
+  TrainOptions o = tiny_options("fp8-delayed", comm->size());
+  o.steps = 3;
+  // One rank alone gets a NaN input amax in its first microbatch of step 2: the MAX over the
+  // ranks must keep it, whichever side of the comparison it lands on (each rank in turn), so
+  // every rank sees a non-finite amax, skips the step and puts its FP8 state back.
+  for (int bad = 0; bad < comm->size(); ++bad) {
+    SCOPED_TRACE("NaN on rank " + std::to_string(bad));
+    TrainOptions mine = o;
+    if (comm->rank() == bad)
+      mine.inject = "nan-amax@2:" + std::to_string(bad * kMicrobatchesPerRank);
+    DataParallel dp(comm);
+    auto data = make_token_source("builtin", o.seed);
+    const ModelConfig config = resolve_model_config(o, data->vocab_size());
+    TrainState s = make_train_state(config, Precision::from_name(o.precision), Device::cpu(),
+                                    o.seed, false, dp.amax_reducer());
+    StepChecks checks(*s.model, s.params, mine);
+    for (int64_t step = 1; step <= o.steps; ++step) {
+      const StepResult r = train_step(s, *data, mine, checks, dp);
+      EXPECT_EQ(r.verdict.skip, step == 2 ? SkipReason::nonfinite_amax : SkipReason::none)
+          << "step " << step << " on rank " << comm->rank();
+    }
+    const auto tensors = checkpoint_tensors(s);
+    EXPECT_TRUE(same_on_every_rank(*comm, hash_of(tensors, false)));
+    EXPECT_TRUE(same_on_every_rank(*comm, hash_of(tensors, true))) << "FP8 state differs";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Precisions, DataParallelTraining,
                          ::testing::Values("bf16", "fp8-delayed", "fp8-current", "fp8-block",
                                            "fp8-mxfp8"),
