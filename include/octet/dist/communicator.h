@@ -75,9 +75,9 @@ std::shared_ptr<Communicator> from_environment();
 /// collective forever). A no-op without MPI. Call at the end of main.
 void shutdown(bool clean);
 
-/// An nn::AmaxReducer over `comm`: gathers the amax rows (registration order) into one f32
-/// buffer, one all_reduce(max), scatters back. The rows must be CPU tensors for the MPI
-/// communicator. Returns nullptr for a group of one (nothing to reduce).
+/// An nn::AmaxReducer over `comm`: gathers the amax rows (registration order, on any devices)
+/// into one f32 host buffer, one all_reduce(max), scatters back. Returns nullptr for a group of
+/// one (nothing to reduce).
 std::shared_ptr<nn::AmaxReducer> make_amax_reducer(std::shared_ptr<Communicator> comm);
 
 }  // namespace octet::dist
