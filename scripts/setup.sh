@@ -5,7 +5,9 @@
 # (default: all). Used by scripts/test.sh, scripts/train.sh and scripts/fuzz.sh.
 #
 # Environment: OCTET_BUILD_DIR (default build), OCTET_CMAKE_ARGS (extra cmake arguments; with
-# -DOCTET_SANITIZE=ON or -DOCTET_FUZZ=ON the sanitizer and libFuzzer runtimes are checked too),
+# -DOCTET_SANITIZE=ON or -DOCTET_FUZZ=ON the sanitizer and libFuzzer runtimes are checked too;
+# OpenMPI is wanted unless -DOCTET_WITH_MPI=OFF: installed when missing, but a machine that cannot
+# get it still builds, without data parallelism),
 # CXX (the compiler CMake will use; default g++).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,6 +40,10 @@ openmp_ok() { printf '#include <omp.h>\nint main() { return omp_get_max_threads(
 clang_major() { "$cxx" -dumpversion | cut -d. -f1; }
 is_clang() { "$cxx" --version 2>/dev/null | grep -q clang; }
 sanitizers_ok() { echo 'int main() { return 0; }' | compiles -fsanitize=address,undefined; }
+mpi_ok() {  # the MPI C++ compiler wrapper and its header
+  command -v mpicxx >/dev/null &&
+    echo '#include <mpi.h>' | mpicxx -x c++ -E - >/dev/null 2>&1
+}
 libfuzzer_ok() {
   printf '#include <cstddef>\n#include <cstdint>\nextern "C" int LLVMFuzzerTestOneInput(const uint8_t*, size_t) { return 0; }\n' |
     compiles -fsanitize=fuzzer
@@ -76,12 +82,23 @@ optional=(
   "ccache|command -v ccache|ccache|rebuilds recompile every file"
 )
 [[ "$cmake_args" == *-DOCTET_BUILD_BENCHMARKS=OFF* ]] && optional=("${optional[@]:1}")
+# Wanted: "what|check|package|what is lost without it". Unlike the optional ones, a missing one
+# sends setup to apt-get by itself; unlike the required ones, one apt-get cannot install is not
+# fatal (e.g. a GPU machine without a package mirror).
+wanted=()
+[[ "$cmake_args" != *-DOCTET_WITH_MPI=OFF* ]] &&
+  wanted+=("OpenMPI (mpicxx, mpi.h)|mpi_ok|libopenmpi-dev|no data parallelism: octet train runs one process, no octet_dist_tests"
+           "mpirun|command -v mpirun|openmpi-bin|scripts/test.sh skips the data-parallel tests")
 
 check() { eval "$1" >/dev/null 2>&1; }
 missing_required=() missing_optional=() packages=()
 for r in "${required[@]}"; do
   IFS='|' read -r what test package <<<"$r"
   check "$test" || { missing_required+=("$r"); packages+=("$package"); }
+done
+for w in "${wanted[@]}"; do
+  IFS='|' read -r what test package lost <<<"$w"
+  check "$test" || packages+=("$package")
 done
 # Optional packages only ride along when apt-get runs anyway: a machine that has everything
 # required (e.g. cmake from pip, no Debian mirror) is not sent to apt-get for a plotting tool.
@@ -119,7 +136,7 @@ if ((failed)); then
   echo "octet setup: install the above (apt-get, pip install cmake, ...) and run again" >&2
   exit 1
 fi
-for o in "${missing_optional[@]}"; do
+for o in "${wanted[@]}" "${missing_optional[@]}"; do
   IFS='|' read -r what test package lost <<<"$o"
   check "$test" || echo "octet setup: no $what (optional; Debian package $package): $lost"
 done

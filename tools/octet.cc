@@ -6,6 +6,7 @@
 
 #include "octet/core/device.h"
 #include "octet/core/error.h"
+#include "octet/dist/communicator.h"
 #include "octet/train/commands.h"
 #include "octet/train/trainer.h"
 
@@ -155,10 +156,22 @@ int main(int argc, char** argv) {
     if (info->parsed())
       std::printf("octet 0.1.0, CUDA backend %s, %d GPU(s) visible\n",
                   octet::built_with_cuda() ? "on" : "off", octet::cuda_device_count());
+  } catch (const octet::dist::CollectiveError& e) {
+    // Every rank raised it together: MPI ends cleanly everywhere.
+    report(e.message());
+    octet::dist::shutdown(true);
+    return 1;
   } catch (const octet::Error& e) {
-    return report(e.message());
+    // Perhaps this rank alone: the others could wait in a collective forever, so under MPI this
+    // ends them all (no-op otherwise).
+    report(e.message());
+    octet::dist::shutdown(false);
+    return 1;
   } catch (const std::exception& e) {
-    return report(e.what());
+    report(e.what());
+    octet::dist::shutdown(false);
+    return 1;
   }
+  octet::dist::shutdown(true);
   return 0;
 }

@@ -110,9 +110,11 @@ std::vector<std::pair<std::string, Tensor>> fp8_state_tensors(const Fp8Module& m
 }  // namespace
 
 TrainState make_train_state(const ModelConfig& config, const Precision& precision,
-                            const Device& device, uint64_t seed, bool recompute) {
+                            const Device& device, uint64_t seed, bool recompute,
+                            std::shared_ptr<nn::AmaxReducer> amax_reducer) {
   TrainState s;
-  s.model = std::make_unique<GPT>(config, precision, device, seed, recompute);
+  s.model = std::make_unique<GPT>(config, precision, device, seed, recompute,
+                                  std::move(amax_reducer));
   s.params = s.model->parameters();
   for (const Parameter& p : s.params) {
     s.adam_m.push_back(Tensor::zeros(p.value.shape(), DType::f32, device));

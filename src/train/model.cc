@@ -188,7 +188,8 @@ struct GPT::Impl {
   std::vector<std::array<Fp8LayerStats, nn::kBlockLinears>> stats;
   ActivationHook activation_hook;
 
-  Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute);
+  Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute,
+       std::shared_ptr<nn::AmaxReducer> reducer);
 
   std::vector<Entry> entries();
   void initialize(uint64_t seed);
@@ -217,14 +218,15 @@ struct GPT::Impl {
 };
 
 GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed,
-                bool recompute)
+                bool recompute, std::shared_ptr<nn::AmaxReducer> reducer)
     : config(validated(c)),
       precision(validated(p)),
       device(d),
       act(p.activation_dtype()),
       fp8(p.kind == Precision::Kind::fp8),
       final_norm(c.arch == Arch::gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm, c.dim,
-                 c.norm_eps, d) {
+                 c.norm_eps, d),
+      registry(std::move(reducer)) {
   const bool gpt2 = config.arch == Arch::gpt2;
   wte = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
   grad_wte = Tensor::zeros({config.vocab, config.dim}, DType::f32, device);
@@ -399,8 +401,9 @@ void GPT::Impl::measure_gradients(bool on) {
 }
 
 GPT::GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
-         bool recompute)
-    : impl_(std::make_unique<Impl>(config, precision, device, seed, recompute)) {}
+         bool recompute, std::shared_ptr<nn::AmaxReducer> amax_reducer)
+    : impl_(std::make_unique<Impl>(config, precision, device, seed, recompute,
+                                   std::move(amax_reducer))) {}
 
 GPT::~GPT() = default;
 

@@ -181,7 +181,8 @@ StepVerdict StepChecks::finish(int64_t step, double loss) {
 // ----------------------------------------------------------------------------
 // SkipLog
 
-SkipLog::SkipLog(int64_t max_skips, int64_t total) : max_skips_(max_skips), total_(total) {
+SkipLog::SkipLog(int64_t max_skips, int64_t total, bool print)
+    : max_skips_(max_skips), total_(total), print_(print) {
   OCTET_CHECK(max_skips >= 0, "--max-skips must be 0 (never stop) or positive, got ", max_skips);
 }
 
@@ -197,6 +198,7 @@ void SkipLog::record(int64_t step, const StepVerdict& v, double loss,
   }
   if (v.guard_z) fields.emplace_back("guard_z", *v.guard_z);
   if (!v.flags.empty()) fields.emplace_back("guard", flags_json(v.flags));
+  if (!print_) return;
   for (const GuardFlag& f : v.flags) std::printf("%s\n", describe_flag(f).c_str());
   if (v.skipped())
     std::printf("step %lld skipped: %s (loss %g, grad norm %g); %lld in a row, %lld in all\n",

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "octet/core/allocator.h"
@@ -19,11 +20,13 @@
 #include "octet/train/checkpoint.h"
 #include "octet/train/commands.h"
 #include "octet/train/data.h"
+#include "octet/train/data_parallel.h"
 #include "octet/train/metrics.h"
 #include "octet/train/model.h"
 #include "octet/train/safetensors.h"
 #include "octet/train/schedule.h"
 #include "octet/train/step_checks.h"
+#include "octet/train/train_step.h"
 
 namespace octet::train {
 namespace {
@@ -82,16 +85,10 @@ std::string human_count(double n) {
   return buf;
 }
 
-struct StepResult {
-  double loss = 0, lr = 0;
-  StepVerdict verdict;  ///< the grad norm, whether the step was skipped, the guard's flags
-};
+}  // namespace
 
-/// One optimizer step: `accum` microbatches, the checks, AdamW with clipping. A step that fails
-/// the checks (a non-finite loss, gradient norm or amax; the guard, when it skips) is skipped:
-/// AdamW does not run, so weights and moments stay as they were, and the FP8 state goes back to
-/// its snapshot from before the step.
-StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, StepChecks& checks) {
+StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, StepChecks& checks,
+                      DataParallel& dp) {
   const int64_t step = s.step + 1;
   StepResult r;
   checks.begin_step(step);
@@ -100,16 +97,25 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
   s.model->zero_grad(nn::ZeroGrad::on_next_write);
   for (int64_t micro = 0; micro < o.accum; ++micro) {
     Batch b = data.next_batch(static_cast<int>(o.batch), static_cast<int>(o.seq));
+    if (!dp.owns(micro, o.accum)) continue;  // another rank's: read only to keep the stream
     checks.before_microbatch(step, micro);
     r.loss += s.model->train_microbatch(b.inputs.view({-1}), b.targets.view({-1}), o.batch, o.seq,
                                         1.0f / static_cast<float>(o.accum));
     if (checks.guarding()) s.model->settle_grads();  // the guard reads them now
     checks.after_microbatch(step, micro);
   }
-  r.loss /= static_cast<double>(o.accum);
   s.model->settle_grads();
+  if (dp.active()) {
+    // Each rank's gradients already carry 1/accum: their sum is the global batch's mean.
+    std::vector<Tensor> grads;
+    grads.reserve(s.params.size());
+    for (const Parameter& p : s.params) grads.push_back(p.grad);
+    r.loss = dp.reduce_gradients(grads, r.loss);
+  }
+  r.loss /= static_cast<double>(o.accum);
   r.lr = learning_rate(o.lr, o.warmup, step);
   r.verdict = checks.finish(step, r.loss);  // reads the grad norm: the step's one host sync
+  dp.agree(r.verdict);  // a rank's guard or injected fault skips the step everywhere
   s.step = step;
   if (r.verdict.skipped()) {
     // The next forward casts the weights again from the untouched masters with the restored
@@ -145,8 +151,6 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
   s.model->on_weights_updated(nn::PreparedCast::written);
   return r;
 }
-
-}  // namespace
 
 TrainOptions resolve_defaults(TrainOptions o) {
   const bool gpu_visible = cuda_device_count() > 0;
@@ -261,11 +265,15 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
 }
 
 void train(const TrainOptions& options) {
+  DataParallel dp(dist::from_environment());
+  dp.check_run(options);  // the same options everywhere, before anything reads them
   RunSetup run = prepare_run(options);
   auto& [o, device, precision, data, config, unfused] = run;
   const nn::UnfusedScope unfused_scope(unfused);
+  const bool root = dp.is_root();  // rank 0 prints, writes metrics, plots and checkpoints
 
-  TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
+  TrainState s =
+      make_train_state(config, precision, device, o.seed, o.recompute, dp.amax_reducer());
 
   fs::create_directories(o.out);
   std::optional<int64_t> resume_step;
@@ -278,35 +286,47 @@ void train(const TrainOptions& options) {
                 ", nothing to do for --steps ", o.steps);
   }
 
-  std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
-              device.str().c_str(), describe_precision(precision).c_str(),
-              data->describe().c_str());
-  if (nn::disabled_fusions() != "none")
-    std::printf("  fusions off: %s (bitwise the same results, slower)\n",
-                nn::disabled_fusions().c_str());
-  const std::string lr_origin =
-      options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
-  std::printf(
-      "  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g%s, warmup %lld, out %s%s\n",
-      (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
-      lr_origin.c_str(), (long long)o.warmup, o.out.c_str(),
-      resume_step
-          ? (", resumed at step " + std::to_string(*resume_step) + " from " + resumed_from).c_str()
-          : "");
-  std::fflush(stdout);
+  if (root) {
+    std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
+                device.str().c_str(), describe_precision(precision).c_str(),
+                data->describe().c_str());
+    if (dp.active())
+      std::printf("  data parallel: world size %d (%s), %lld microbatch(es) per rank per step\n",
+                  dp.size(), dp.describe().c_str(), (long long)(o.accum / dp.size()));
+    if (nn::disabled_fusions() != "none")
+      std::printf("  fusions off: %s (bitwise the same results, slower)\n",
+                  nn::disabled_fusions().c_str());
+    const std::string lr_origin =
+        options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
+    std::printf(
+        "  %lld steps x %lld microbatch(es) x %lld x %lld tokens, lr %g%s, warmup %lld, out %s%s\n",
+        (long long)o.steps, (long long)o.accum, (long long)o.batch, (long long)o.seq, o.lr,
+        lr_origin.c_str(), (long long)o.warmup, o.out.c_str(),
+        resume_step
+            ? (", resumed at step " + std::to_string(*resume_step) + " from " + resumed_from).c_str()
+            : "");
+    std::fflush(stdout);
+  }
 
-  MetricsWriter metrics((fs::path(o.out) / "metrics.jsonl").string(), resume_step);
-  ProgressDisplay progress(o.steps, o.log_every);
+  const std::string metrics_path = (fs::path(o.out) / "metrics.jsonl").string();
+  std::optional<MetricsWriter> metrics;
+  std::optional<ProgressDisplay> progress;
+  if (root) {
+    metrics.emplace(metrics_path, resume_step);
+    progress.emplace(o.steps, o.log_every);
+  }
+  dp.barrier();  // rank 0 has trimmed a resumed run's metrics before the others count its skips
   StepChecks checks(*s.model, s.params, o);
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   double first_loss = NAN, last_loss = NAN;
   // A resumed run goes on counting the skips its metrics hold.
-  SkipLog skips(o.max_skips, count_true(metrics.path(), "skipped"));
+  SkipLog skips(o.max_skips, count_true(metrics_path, "skipped"), root);
   fs::path checkpoint_path;
   int64_t saved_step = -1;
   auto save = [&] {
-    checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
-                                      run_metadata(o, config, precision, *data, s.step), o.keep);
+    if (root)
+      checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
+                                        run_metadata(o, config, precision, *data, s.step), o.keep);
     saved_step = s.step;
   };
   auto intact_checkpoint = [&]() -> std::string {
@@ -325,7 +345,7 @@ void train(const TrainOptions& options) {
     const bool stats = precision.kind == Precision::Kind::fp8 && o.fp8_stats_every > 0 &&
                        step % o.fp8_stats_every == 0;
     s.model->set_collect_fp8_stats(stats);
-    const StepResult r = train_step(s, *data, o, checks);
+    const StepResult r = train_step(s, *data, o, checks, dp);
     const double loss = r.loss, grad_norm = r.verdict.grad_norm, lr = r.lr;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -335,23 +355,35 @@ void train(const TrainOptions& options) {
                         {"lr", lr},
                         {"tokens_per_s", tokens_per_step / seconds}};
     skips.record(step, r.verdict, loss, fields);  // also prints a line per skip and flag
-    if (stats) fields.emplace_back("fp8", fp8_statistics(*s.model));
-    if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps)
-      fields.emplace_back("val_loss",
-                          validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches));
-    metrics.write(step, fields);
-    progress.update(step, loss, tokens_per_step / seconds);
+    if (root) {
+      // The statistics are rank 0's own casts (its share of the microbatches).
+      if (stats) fields.emplace_back("fp8", fp8_statistics(*s.model));
+      // Evaluation reads the val split only; the replicas are identical, so rank 0's is the run's.
+      if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps)
+        fields.emplace_back("val_loss",
+                            validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches));
+      metrics->write(step, fields);
+      progress->update(step, loss, tokens_per_step / seconds);
+    }
     if (std::isnan(first_loss)) first_loss = loss;
     if (!r.verdict.skipped()) last_loss = loss;
-    if (skips.exhausted()) OCTET_ERROR(skips.stop_message(step, intact_checkpoint()));
+    if (skips.exhausted()) {
+      // Every rank took the same verdicts, so every rank stops here.
+      if (dp.active())
+        throw dist::CollectiveError(__FILE__, __LINE__,
+                                    skips.stop_message(step, intact_checkpoint()));
+      OCTET_ERROR(skips.stop_message(step, intact_checkpoint()));
+    }
     // No checkpoint on a skipped step: the file on disk stays that of the last applied one.
     if (o.save_every > 0 && step % o.save_every == 0 && !r.verdict.skipped()) save();
   }
-  progress.finish();
   if (saved_step != s.step) save();
+  dp.barrier();  // the last checkpoint is on disk before any rank reports success
+  if (!root) return;
+  progress->finish();
 
   const double val = validation_loss(*s.model, *data, o.batch, o.seq, o.eval_batches);
-  metrics.write(s.step, {{"val_loss", val}});
+  metrics->write(s.step, {{"val_loss", val}});
   std::printf("done: step %lld, train loss %.4f (first logged %.4f), val loss %.4f\n",
               (long long)s.step, last_loss, first_loss, val);
   if (o.data == "builtin" && config.vocab >= kByteVocab) {
@@ -361,18 +393,21 @@ void train(const TrainOptions& options) {
     std::printf("skipped steps: %lld (\"skipped\" in metrics.jsonl)\n", (long long)skips.total());
   std::printf("checkpoint: %s\n", checkpoint_path.c_str());
   const std::string png = (fs::path(o.out) / "loss.png").string();
-  if (plot_loss(metrics.path(), png)) std::printf("loss plot: %s\n", png.c_str());
-  std::printf("metrics: %s (%s tokens trained)\n", metrics.path().c_str(),
+  if (plot_loss(metrics->path(), png)) std::printf("loss plot: %s\n", png.c_str());
+  std::printf("metrics: %s (%s tokens trained)\n", metrics->path().c_str(),
               human_count(tokens_per_step * static_cast<double>(o.steps)).c_str());
 }
 
 void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
+  OCTET_CHECK(dist::launcher_world_size() == 1, "octet bench train measures one process, but ",
+              dist::launcher_world_size(), " were launched (mpirun): run it without mpirun");
   RunSetup run = prepare_run(options);
   auto& [o, device, precision, data, config, unfused] = run;
   const nn::UnfusedScope unfused_scope(unfused);
   reset_device_peak(device);
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
   StepChecks checks(*s.model, s.params, o);
+  DataParallel single;  // the benchmark measures one process
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   std::vector<double> rates;
   double loss = 0;
@@ -380,7 +415,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
     // Syncs at the grad-norm read; the AdamW it then launches is waited for by the next step.
-    loss = train_step(s, *data, o, checks).loss;
+    loss = train_step(s, *data, o, checks, single).loss;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (i >= warmup_steps) rates.push_back(tokens_per_step / seconds);

@@ -46,3 +46,17 @@ std::string concat(const Args&... args) {
       OCTET_ERROR("check failed: " #cond ": ", ##__VA_ARGS__);       \
     }                                                                \
   } while (false)
+
+/// Throws octet::Error naming the MPI error and the failed call. Expands to MPI calls: use it
+/// only where <mpi.h> is included (src/dist).
+#define OCTET_CHECK_MPI(call)                                                    \
+  do {                                                                           \
+    const int octet_mpi_status_ = (call);                                        \
+    if (octet_mpi_status_ != MPI_SUCCESS) {                                      \
+      char octet_mpi_text_[MPI_MAX_ERROR_STRING];                                \
+      int octet_mpi_length_ = 0;                                                 \
+      MPI_Error_string(octet_mpi_status_, octet_mpi_text_, &octet_mpi_length_);  \
+      OCTET_ERROR("MPI error (", std::string(octet_mpi_text_, octet_mpi_length_), \
+                  ") in ", #call);                                               \
+    }                                                                            \
+  } while (false)

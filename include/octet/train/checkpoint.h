@@ -33,9 +33,10 @@ struct TrainState {
   std::vector<ops::AdamWTensor> adamw;
 };
 
-/// Model and zeroed AdamW moments on `device`.
+/// Model and zeroed AdamW moments on `device`; `amax_reducer` goes to the model's registry.
 TrainState make_train_state(const ModelConfig& config, const Precision& precision,
-                            const Device& device, uint64_t seed, bool recompute);
+                            const Device& device, uint64_t seed, bool recompute,
+                            std::shared_ptr<nn::AmaxReducer> amax_reducer = nullptr);
 
 /// The tensors a checkpoint of `s` holds, under their checkpoint names ("param.<name>",
 /// "adam_m.<name>", "adam_v.<name>", "fp8.<module>.<fwd|bwd>.<scale|scale_inv|amax_history>").

@@ -70,8 +70,10 @@ class GPT {
  public:
   /// Builds the model on `device` with weights drawn from `seed` (deterministic).
   /// recompute: keep only each block's input and scales, and recompute during backward.
+  /// amax_reducer: the registry's all-reduce of the FP8 amaxes over the data-parallel group
+  /// (dist::make_amax_reducer); none: this process alone.
   GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
-      bool recompute);
+      bool recompute, std::shared_ptr<nn::AmaxReducer> amax_reducer = nullptr);
   ~GPT();
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;

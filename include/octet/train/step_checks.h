@@ -118,8 +118,9 @@ class StepChecks {
 class SkipLog {
  public:
   /// `max_skips`: skipped steps in a row that stop the run (0: never); `total`: skips so far (a
-  /// resumed run's metrics hold its earlier ones).
-  SkipLog(int64_t max_skips, int64_t total);
+  /// resumed run's metrics hold its earlier ones); `print`: false keeps record() silent (the
+  /// data-parallel ranks other than 0).
+  SkipLog(int64_t max_skips, int64_t total, bool print = true);
   /// Counts `step`'s verdict; adds "skipped", "skip_reason" and "skips_total" to `fields` when it
   /// was skipped, "guard_z" when the guard measured it and "guard" when the guard flagged it, and
   /// prints one stdout line per skip and per flag.
@@ -133,6 +134,7 @@ class SkipLog {
 
  private:
   int64_t max_skips_, total_, in_a_row_ = 0;
+  bool print_ = true;
   SkipReason last_ = SkipReason::none;
 };
 

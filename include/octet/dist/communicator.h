@@ -1,0 +1,83 @@
+// The dist layer: a Communicator over the processes of a data-parallel run, and the FP8 amax
+// reduction over it. MPI serves CPU ranks; an NCCL communicator for GPU ranks implements the same
+// interface (not built yet). Nothing below this layer knows it exists: nn sees an AmaxReducer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "octet/core/error.h"
+#include "octet/core/tensor.h"
+#include "octet/nn/fp8_state.h"
+
+namespace octet::dist {
+
+/// The element-wise reductions of all_reduce.
+enum class ReduceOp : uint8_t { sum, max };
+
+/// An error that every rank raised at the same point, after agreeing on it through a collective
+/// (mismatched options, a world size that does not divide the accumulation). A process that
+/// catches one may shut MPI down cleanly (shutdown(true)): the other ranks are doing the same.
+class CollectiveError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// The processes of one group (the world, for data parallelism). Every collective must be called
+/// by every rank, in the same order, with tensors of the same shapes.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  /// This process's index in the group, 0 .. size() - 1.
+  virtual int rank() const = 0;
+  /// The number of processes in the group.
+  virtual int size() const = 0;
+  /// "mpi, 2 ranks"; "single process".
+  virtual std::string describe() const = 0;
+  /// Reduces f32 `tensors`, treated as one flat buffer in the given order, element-wise over the
+  /// group, in place. Every rank ends with bitwise the same values (a sum is reduced on one rank
+  /// in a fixed order and broadcast, not summed independently on each).
+  virtual void all_reduce(std::span<const Tensor> tensors, ReduceOp op) = 0;
+  /// Copies the bytes of `tensors` (any dtype) on rank `root` into the same tensors on the others.
+  virtual void broadcast(std::span<const Tensor> tensors, int root = 0) = 0;
+  /// Returns when every rank has called it.
+  virtual void barrier() = 0;
+};
+
+/// The group of one process: collectives leave the tensors as they are.
+class SingleProcess final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string describe() const override { return "single process"; }
+  void all_reduce(std::span<const Tensor> tensors, ReduceOp op) override;
+  void broadcast(std::span<const Tensor> tensors, int root = 0) override;
+  void barrier() override {}
+};
+
+/// True when this build has the MPI communicator (OCTET_WITH_MPI).
+bool built_with_mpi();
+
+/// The number of processes the launcher started, from its environment (OMPI_COMM_WORLD_SIZE,
+/// PMI_SIZE); 1 when there is none.
+int launcher_world_size();
+
+/// The world this process runs in: MPI_COMM_WORLD when launched by mpirun with more than one
+/// process (or when MPI is already initialized with more than one), else a SingleProcess. The MPI
+/// communicator is one per process (MPI initializes once): every call returns the same one.
+/// Throws when launched with several processes by a build without MPI.
+std::shared_ptr<Communicator> from_environment();
+
+/// Ends MPI if this process started it: `clean` calls MPI_Finalize (every rank must reach it);
+/// otherwise MPI_Abort ends every rank (one rank failed alone: the others may wait in a
+/// collective forever). A no-op without MPI. Call at the end of main.
+void shutdown(bool clean);
+
+/// An nn::AmaxReducer over `comm`: gathers the amax rows (registration order, on any devices)
+/// into one f32 host buffer, one all_reduce(max), scatters back. Returns nullptr for a group of
+/// one (nothing to reduce).
+std::shared_ptr<nn::AmaxReducer> make_amax_reducer(std::shared_ptr<Communicator> comm);
+
+}  // namespace octet::dist

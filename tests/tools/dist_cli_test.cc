@@ -1,0 +1,157 @@
+// `mpirun -np 2 octet train` as a user runs it: data-parallel training on CPU ranks from the
+// command line (rank 0 alone prints and writes), and its bad-input contract (one error per rank,
+// a non-zero exit, no hang). Skips when mpirun or the MPI build is missing.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "octet/dist/communicator.h"
+#include "train/run_checks.h"
+#include "train/scratch_dir.h"
+
+namespace octet {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+// A run that hangs in a collective is a failure, not a stuck suite.
+constexpr int kDeadlineSeconds = 120;
+constexpr const char* kMpirun = "mpirun --allow-run-as-root --oversubscribe";
+// The micro model of the CLI tests: a few steps in a second or two per rank on one core.
+constexpr const char* kTiny =
+    "train --device cpu --model tiny --layers 1 --dim 32 --heads 2 --ffn 64 --steps 3 "
+    "--batch 2 --seq 16 --lr 3e-3 --warmup 1 --eval-batches 1 --seed 7";
+
+struct Result {
+  int exit_code = -1;
+  std::string output;  ///< stdout and stderr
+};
+
+Result run(const std::string& command, const fs::path& dir) {
+  const std::string full = "cd '" + dir.string() + "' && OMP_NUM_THREADS=1 timeout " +
+                           std::to_string(kDeadlineSeconds) + " " + command + " 2>&1";
+  Result r;
+  FILE* pipe = popen(full.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) r.output.append(buffer, n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return r;
+}
+
+std::string octet(const std::string& args) {
+  return std::string("'") + OCTET_CLI_PATH + "' " + args;
+}
+std::string on_two_ranks(const std::string& args) {
+  return std::string(kMpirun) + " -np 2 " + octet(args);
+}
+
+bool have_mpirun() {
+  return dist::built_with_mpi() && std::system("command -v mpirun >/dev/null 2>&1") == 0;
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+std::vector<double> losses(const fs::path& metrics) {
+  std::vector<double> out;
+  for (const nlohmann::json& j : testing::step_lines(metrics))
+    out.push_back(j["loss"].get<double>());
+  return out;
+}
+
+TEST(DistCli, TwoRanksTrainLikeOneProcessWithTheSameAccum) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const std::string args = std::string(kTiny) + " --precision bf16 --accum 2";
+  const Result dp = run(on_two_ranks(args + " --out dp"), dir);
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_EQ(count(dp.output, "octet train:"), 1u) << "one header: rank 0's\n" << dp.output;
+  EXPECT_THAT(dp.output,
+              HasSubstr("data parallel: world size 2 (mpi, 2 ranks), 1 microbatch(es) per rank"));
+  EXPECT_EQ(count(dp.output, "done: step 3"), 1u) << dp.output;
+  EXPECT_TRUE(fs::exists(dir / "dp" / "checkpoint-000003.safetensors"));
+
+  const Result alone = run(octet(args + " --out alone"), dir);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const std::vector<double> a = losses(dir / "dp" / "metrics.jsonl");
+  const std::vector<double> b = losses(dir / "alone" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  // bf16, the same microbatches: only the FP32 summation order of the gradients and the loss
+  // differs (tests/dist/data_parallel_test.cc has the reasoning); metrics print 9 digits.
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * b[i]) << "step " << i + 1;
+}
+
+TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const std::string args = std::string(kTiny) + " --precision fp8-delayed --accum 2";
+  const std::string six = args.substr(0, args.find("--steps 3")) + "--steps 6" +
+                          args.substr(args.find("--steps 3") + 9);
+  ASSERT_EQ(run(on_two_ranks(six + " --out whole"), dir).exit_code, 0);
+  ASSERT_EQ(run(on_two_ranks(args + " --out split"), dir).exit_code, 0);
+  const Result resumed = run(on_two_ranks(six + " --out split --resume split"), dir);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  // Every rank restores the same checkpoint and data position: bitwise the uninterrupted run.
+  testing::expect_same_tensors(dir / "whole" / "checkpoint-000006.safetensors",
+                               dir / "split" / "checkpoint-000006.safetensors");
+  // The data position does not depend on the world size, so one process with the same --accum
+  // continues rank 0's checkpoint (the same microbatches; FP32 order and FP8 history differ).
+  const Result alone =
+      run(octet(six + " --out split --resume split/checkpoint-000003.safetensors"), dir);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  const std::vector<double> a = losses(dir / "whole" / "metrics.jsonl");
+  const std::vector<double> b = losses(dir / "split" / "metrics.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  // tests/dist/data_parallel_test.cc's fp8-delayed loss tolerance.
+  for (size_t i = 3; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 5e-4 * a[i]) << "step " << i + 1;
+}
+
+TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  // MPMD: one command line per rank.
+  const std::string args = std::string(kTiny) + " --accum 2 --precision bf16 --out x";
+  const Result r = run(std::string(kMpirun) + " -np 1 " + octet(args) + " : -np 1 " +
+                           octet(args + " --grad-clip 0.5"),
+                       dir);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
+  EXPECT_EQ(count(r.output,
+                  "octet: error: the 2 ranks were not given the same options (rank 1's "
+                  "differ from rank 0's)"),
+            2u)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir / "x" / "metrics.jsonl")) << "nothing trained";
+}
+
+TEST(DistCli, AnAccumTheWorldSizeDoesNotDivideFailsOnEveryRank) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const Result r = run(on_two_ranks(std::string(kTiny) + " --accum 3 --out x"), dir);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
+  EXPECT_EQ(count(r.output,
+                  "octet: error: --accum 3 counts the microbatches of a step over all 2 "
+                  "ranks, so it must be a multiple of the world size 2"),
+            2u)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace octet
