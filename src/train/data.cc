@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 #include <string_view>
 
+#include "octet/core/hash.h"
+
 namespace octet::train {
 namespace {
 
@@ -39,14 +41,8 @@ bool starts_with_shard_magic(std::string_view bytes) {
 // Random numbers: our own generators, so the batch order and the builtin corpus are the same
 // with every standard library (std:: distributions are implementation-defined).
 
-// splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014).
+// splitmix64 (Steele, Lea and Flood, 2014; its finalizer is mix64, core/hash.h).
 constexpr uint64_t kGoldenGamma = 0x9e3779b97f4a7c15ULL;
-
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 
 class SplitMix64 {
  public:

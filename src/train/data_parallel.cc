@@ -3,12 +3,9 @@
 
 #include <sstream>
 
-namespace octet::train {
+#include "octet/core/hash.h"
 
-namespace {
-// FNV-1a, 64-bit (the published offset basis and prime).
-constexpr uint64_t kFnvOffset = 14695981039346656037ull, kFnvPrime = 1099511628211ull;
-}  // namespace
+namespace octet::train {
 
 uint64_t options_fingerprint(const TrainOptions& o) {
   std::ostringstream text;
@@ -24,9 +21,7 @@ uint64_t options_fingerprint(const TrainOptions& o) {
        << o.keep << sep << o.resume << sep << o.eval_every << sep << o.eval_batches << sep
        << o.fp8_stats_every << sep << o.log_every << sep << o.max_skips << sep << o.guard << sep
        << o.guard_skip << sep << o.guard_z << sep << o.guard_warmup << sep << o.inject;
-  uint64_t hash = kFnvOffset;
-  for (const unsigned char c : text.str()) hash = (hash ^ c) * kFnvPrime;
-  return hash;
+  return fnv1a(text.str());
 }
 
 DataParallel::DataParallel(std::shared_ptr<dist::Communicator> comm) : comm_(std::move(comm)) {

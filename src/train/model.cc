@@ -8,6 +8,7 @@
 #include <numbers>
 #include <utility>
 
+#include "octet/core/hash.h"
 #include "octet/fp8/format.h"
 #include "octet/nn/autocast.h"
 #include "octet/nn/linear.h"
@@ -26,25 +27,10 @@ using nn::LinearSlot;
 /// (GPT-2 paper, section 2.3; llm.c). Used for both architectures.
 constexpr float kInitStd = 0.02f;
 
-/// splitmix64's increment and finalizer (Steele, Lea and Flood, "Fast splittable pseudorandom
-/// number generators", 2014): a counter-based generator, so every element's draw depends only
-/// on (seed, parameter name, index), never on the device or the thread that computes it.
+/// splitmix64's increment (mix64 is its finalizer, core/hash.h): a counter-based generator, so
+/// every element's draw depends only on (seed, parameter name, index), never on the device or
+/// the thread that computes it.
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
-
-/// FNV-1a, 64-bit (offset basis and prime from the FNV specification).
-uint64_t fnv1a(std::string_view text) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  for (char c : text) {
-    h ^= static_cast<uint8_t>(c);
-    h *= 0x100000001B3ull;
-  }
-  return h;
-}
 
 /// Mantissa bits of a double: a draw keeps that many bits for a uniform in (0, 1].
 constexpr int kDoubleMantissaBits = 53;
