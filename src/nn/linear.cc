@@ -363,10 +363,12 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, const Tensor& residua
                 "the input scale of the original forward, got ",
                 snap.input_scale.describe());
     input_scale = snap.input_scale;
-    if (recipe.kind == fp8::RecipeKind::current && mode != ForwardMode::recompute)
-      current_scale(x, recipe, TensorRole::input, input_scale);
-    if (record && first_delayed_pass(state_.get(), Pass::forward))
-      current_scale(x, recipe, TensorRole::input, input_scale);
+    // Current scaling, and delayed scaling's first pass, scale from the input itself (a recompute
+    // keeps the snapshot's scale).
+    const bool from_input = recipe.kind == fp8::RecipeKind::current
+                                ? mode != ForwardMode::recompute
+                                : record && first_delayed_pass(state_.get(), Pass::forward);
+    if (from_input) current_scale(x, recipe, TensorRole::input, input_scale);
   }
   if (!saved.input_prefilled) {
     saved.input_q = quantize_for(x, recipe, TensorRole::input, input_scale,

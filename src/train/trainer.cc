@@ -367,13 +367,9 @@ void train(const TrainOptions& options) {
     }
     if (std::isnan(first_loss)) first_loss = loss;
     if (!r.verdict.skipped()) last_loss = loss;
-    if (skips.exhausted()) {
-      // Every rank took the same verdicts, so every rank stops here.
-      if (dp.active())
-        throw dist::CollectiveError(__FILE__, __LINE__,
-                                    skips.stop_message(step, intact_checkpoint()));
-      OCTET_ERROR(skips.stop_message(step, intact_checkpoint()));
-    }
+    // Every rank took the same verdicts, so every rank stops here (alone, trivially).
+    if (skips.exhausted())
+      throw dist::CollectiveError(__FILE__, __LINE__, skips.stop_message(step, intact_checkpoint()));
     // No checkpoint on a skipped step: the file on disk stays that of the last applied one.
     if (o.save_every > 0 && step % o.save_every == 0 && !r.verdict.skipped()) save();
   }
