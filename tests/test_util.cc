@@ -1,28 +1,23 @@
 #include "test_util.h"
 
+#include <sys/wait.h>
+
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
+#include "octet/core/hash.h"
+
 namespace octet::testing {
 
 namespace {
 
-// splitmix64's finalizer (Steele, Lea and Flood, 2014): spreads any input over all 64 bits.
-uint64_t mix64(uint64_t z) {
-  z += 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
+// One splitmix64 step (its increment, then the finalizer): spreads any input over all 64 bits.
+uint64_t mix64(uint64_t z) { return octet::mix64(z + 0x9e3779b97f4a7c15ULL); }
 
-// FNV-1a (64-bit): a fixed hash of the test's name, the same with every standard library.
-uint64_t name_hash(const std::string& name) {
-  uint64_t h = 0xcbf29ce484222325ULL;
-  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ULL;
-  return h;
-}
+// A fixed hash of the test's name, the same with every standard library.
+uint64_t name_hash(const std::string& name) { return fnv1a(name); }
 
 /// What OCTET_TEST_SEED asks for: nothing (seeds from the test names alone), a number, or a
 /// number drawn once for the whole run ("random").
@@ -222,6 +217,17 @@ double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0;
   for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - double(b[i])));
   return m;
+}
+
+ShellResult run_shell(const std::string& command) {
+  ShellResult result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  char buffer[4096];
+  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) result.output.append(buffer, n);
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return result;
 }
 
 }  // namespace octet::testing

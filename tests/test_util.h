@@ -73,4 +73,12 @@ double relative_l2(const std::vector<float>& a, const std::vector<float>& refere
 /// Largest |a - b|.
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b);
 
+/// What a shell command did: its exit code (128 + the signal's number when a signal ended it; -1
+/// when it could not start) and what it wrote to its stdout (redirect stderr in the command).
+struct ShellResult {
+  int exit_code = -1;
+  std::string output;
+};
+ShellResult run_shell(const std::string& command);
+
 }  // namespace octet::testing

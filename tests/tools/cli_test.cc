@@ -4,12 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdio>
 #include <filesystem>
 #include <string>
-#include <sys/wait.h>
 
 #include "octet/core/device.h"
+#include "test_util.h"
 #include "train/scratch_dir.h"
 
 namespace octet {
@@ -17,23 +16,13 @@ namespace {
 
 using ::testing::HasSubstr;
 
-struct CliResult {
-  int exit_code = -1;
-  std::string output;  ///< stderr of the run
-};
+/// A run's exit code and its stderr.
+using CliResult = testing::ShellResult;
 
 /// Runs `octet ARGS` in `dir`, capturing its stderr (stdout is discarded).
 CliResult run_octet(const std::string& args, const std::filesystem::path& dir) {
-  const std::string command =
-      "cd '" + dir.string() + "' && '" OCTET_CLI_PATH "' " + args + " 2>&1 >/dev/null";
-  CliResult result;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return result;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) result.output.append(buffer, n);
-  const int status = pclose(pipe);
-  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return result;
+  return testing::run_shell("cd '" + dir.string() + "' && '" OCTET_CLI_PATH "' " + args +
+                            " 2>&1 >/dev/null");
 }
 
 /// Exactly one line, starting "octet: error:".

@@ -3,17 +3,15 @@
 // a non-zero exit, no hang). Skips when mpirun or the MPI build is missing.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "octet/dist/communicator.h"
+#include "test_util.h"
 #include "train/run_checks.h"
 #include "train/scratch_dir.h"
 
@@ -31,22 +29,11 @@ constexpr const char* kTiny =
     "train --device cpu --model tiny --layers 1 --dim 32 --heads 2 --ffn 64 --steps 3 "
     "--batch 2 --seq 16 --lr 3e-3 --warmup 1 --eval-batches 1 --seed 7";
 
-struct Result {
-  int exit_code = -1;
-  std::string output;  ///< stdout and stderr
-};
+using Result = testing::ShellResult;  ///< output: stdout and stderr
 
 Result run(const std::string& command, const fs::path& dir) {
-  const std::string full = "cd '" + dir.string() + "' && OMP_NUM_THREADS=1 timeout " +
-                           std::to_string(kDeadlineSeconds) + " " + command + " 2>&1";
-  Result r;
-  FILE* pipe = popen(full.c_str(), "r");
-  if (pipe == nullptr) return r;
-  char buffer[4096];
-  while (size_t n = fread(buffer, 1, sizeof(buffer), pipe)) r.output.append(buffer, n);
-  const int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
+  return testing::run_shell("cd '" + dir.string() + "' && OMP_NUM_THREADS=1 timeout " +
+                            std::to_string(kDeadlineSeconds) + " " + command + " 2>&1");
 }
 
 std::string octet(const std::string& args) {
@@ -73,6 +60,17 @@ std::vector<double> losses(const fs::path& metrics) {
   return out;
 }
 
+/// Both runs logged `steps` losses, and from step `first` (1-based) on `metrics`' are within
+/// `relative` of `reference`'s.
+void expect_losses_near(const fs::path& metrics, const fs::path& reference, size_t steps,
+                        size_t first, double relative) {
+  const std::vector<double> a = losses(metrics), b = losses(reference);
+  ASSERT_EQ(a.size(), steps);
+  ASSERT_EQ(b.size(), steps);
+  for (size_t i = first - 1; i < steps; ++i)
+    EXPECT_NEAR(a[i], b[i], relative * b[i]) << "step " << i + 1;
+}
+
 TEST(DistCli, TwoRanksTrainLikeOneProcessWithTheSameAccum) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();
@@ -87,13 +85,9 @@ TEST(DistCli, TwoRanksTrainLikeOneProcessWithTheSameAccum) {
 
   const Result alone = run(octet(args + " --out alone"), dir);
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
-  const std::vector<double> a = losses(dir / "dp" / "metrics.jsonl");
-  const std::vector<double> b = losses(dir / "alone" / "metrics.jsonl");
-  ASSERT_EQ(a.size(), 3u);
-  ASSERT_EQ(b.size(), 3u);
   // bf16, the same microbatches: only the FP32 summation order of the gradients and the loss
   // differs (tests/dist/data_parallel_test.cc has the reasoning); metrics print 9 digits.
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * b[i]) << "step " << i + 1;
+  expect_losses_near(dir / "dp" / "metrics.jsonl", dir / "alone" / "metrics.jsonl", 3, 1, 1e-5);
 }
 
 TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
@@ -114,12 +108,8 @@ TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
   const Result alone =
       run(octet(six + " --out split --resume split/checkpoint-000003.safetensors"), dir);
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
-  const std::vector<double> a = losses(dir / "whole" / "metrics.jsonl");
-  const std::vector<double> b = losses(dir / "split" / "metrics.jsonl");
-  ASSERT_EQ(a.size(), 6u);
-  ASSERT_EQ(b.size(), 6u);
   // tests/dist/data_parallel_test.cc's fp8-delayed loss tolerance.
-  for (size_t i = 3; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 5e-4 * a[i]) << "step " << i + 1;
+  expect_losses_near(dir / "split" / "metrics.jsonl", dir / "whole" / "metrics.jsonl", 6, 4, 5e-4);
 }
 
 TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {

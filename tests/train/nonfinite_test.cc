@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <optional>
 #include <ostream>
 #include <random>
 #include <string>
@@ -204,8 +205,6 @@ TEST(MaxSkipsCli, NonZeroExitOneErrorLineAndALogLinePerSkip) {
 // Fp8Snapshot on its own: after a whole microbatch moved every FP8 state (amax histories rolled,
 // forward scales moved to fresh storage, scale_invs rewritten), restore() puts back every byte.
 
-class Fp8SnapshotTest : public ::testing::TestWithParam<std::string> {};
-
 Tensor random_ids(int64_t n, int64_t vocab, uint64_t seed) {
   Tensor t = Tensor::empty({n}, DType::i32);
   std::mt19937_64 rng(seed);
@@ -213,8 +212,10 @@ Tensor random_ids(int64_t n, int64_t vocab, uint64_t seed) {
   return t;
 }
 
-/// A two-layer FP8-delayed model and a function that trains it on one random microbatch.
-struct SnapshotModel {
+/// A two-layer FP8-delayed model on the parameter's device, from the test's seed, and one random
+/// microbatch of training.
+class Fp8SnapshotTest : public ::testing::TestWithParam<std::string> {
+ protected:
   static ModelConfig config() {
     ModelConfig c = model_preset("tiny");
     c.layers = 2;
@@ -223,27 +224,24 @@ struct SnapshotModel {
     c.ffn = 64;
     return c;
   }
-  SnapshotModel(const Device& device, uint64_t seed)
-      : model(config(), Precision::from_name("fp8-delayed"), device, seed, false) {}
+  void SetUp() override {
+    OCTET_SKIP_IF_UNAVAILABLE(device_);
+    model_.emplace(config(), Precision::from_name("fp8-delayed"), device_, seed_, false);
+  }
   void microbatch(uint64_t s) {
     constexpr int64_t kBatch = 2, kSeq = 16;
     const int64_t vocab = config().vocab;
-    model.train_microbatch(random_ids(kBatch * kSeq, vocab, s),
-                           random_ids(kBatch * kSeq, vocab, s + 1), kBatch, kSeq, 1.0f);
+    model_->train_microbatch(random_ids(kBatch * kSeq, vocab, s),
+                             random_ids(kBatch * kSeq, vocab, s + 1), kBatch, kSeq, 1.0f);
   }
-  GPT model;
+  const Device device_ = Device::parse(GetParam());
+  const uint64_t seed_ = octet::testing::fresh_seed();
+  std::optional<GPT> model_;
 };
 
 TEST_P(Fp8SnapshotTest, RestoresEveryByteOfEveryState) {
-  const Device device = Device::parse(GetParam());
-  OCTET_SKIP_IF_UNAVAILABLE(device);
-  const uint64_t seed = octet::testing::fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  SnapshotModel m(device, seed);
-  GPT& model = m.model;
-  const auto microbatch = [&](uint64_t s) { m.microbatch(s); };
-  microbatch(seed);  // nonzero amaxes and scales to start from
-  const auto states = model.registry().states();
+  microbatch(seed_);  // nonzero amaxes and scales to start from
+  const auto states = model_->registry().states();
   ASSERT_EQ(states.size(), 2u * 4u);
   const auto bytes = [&] {
     std::vector<std::vector<uint8_t>> all;
@@ -254,7 +252,7 @@ TEST_P(Fp8SnapshotTest, RestoresEveryByteOfEveryState) {
   const auto before = bytes();
   Fp8Snapshot snapshot;
   snapshot.capture(states);
-  microbatch(seed + 2);
+  microbatch(seed_ + 2);
   const auto moved = bytes();
   ASSERT_EQ(moved.size(), before.size());
   int changed = 0;
@@ -268,12 +266,7 @@ TEST_P(Fp8SnapshotTest, RestoresEveryByteOfEveryState) {
 TEST_P(Fp8SnapshotTest, RestoringAFirstStepLeavesTheStatesToCalibrateAgain) {
   // A skipped first step must leave the states as new: their next pass scales from its own
   // tensors again (FP8State::calibrated), not from the initial scale 1 the bytes went back to.
-  const Device device = Device::parse(GetParam());
-  OCTET_SKIP_IF_UNAVAILABLE(device);
-  const uint64_t seed = octet::testing::fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  SnapshotModel m(device, seed);
-  const auto states = m.model.registry().states();
+  const auto states = model_->registry().states();
   ASSERT_EQ(states.size(), 2u * 4u);
   const auto count_calibrated = [&] {
     int n = 0;
@@ -284,7 +277,7 @@ TEST_P(Fp8SnapshotTest, RestoringAFirstStepLeavesTheStatesToCalibrateAgain) {
   EXPECT_EQ(count_calibrated(), 0);
   Fp8Snapshot snapshot;
   snapshot.capture(states);
-  m.microbatch(seed);
+  microbatch(seed_);
   EXPECT_EQ(count_calibrated(), 2 * static_cast<int>(states.size()));
   snapshot.restore();
   EXPECT_EQ(count_calibrated(), 0);
