@@ -13,6 +13,7 @@
 
 #include "octet/train/data_parallel.h"
 #include "test_util.h"
+#include "world_seed.h"
 
 namespace octet::dist {
 namespace {
@@ -84,7 +85,7 @@ TEST(DistCommunicator, SumOfSmallIntegersIsExactAcrossAwkwardlySplitTensors) {
   const std::vector<int64_t> sizes = comm->rank() % 2 == 0 ? std::vector<int64_t>{3, 1481, 1, 677}
                                                            : std::vector<int64_t>{677, 1, 1481, 3};
   const int64_t n = 3 + 1481 + 1 + 677;
-  const uint64_t seed = 11;
+  const uint64_t seed = testing::world_seed(*comm);
   std::vector<Tensor> tensors = split(input_of(comm->rank(), n, seed, true), sizes);
   comm->all_reduce(tensors, ReduceOp::sum);
   std::vector<float> reference(static_cast<size_t>(n), 0.0f);
@@ -100,11 +101,12 @@ TEST(DistCommunicator, SumOfFloatsIsCloseAndBitwiseTheSameOnEveryRank) {
   REQUIRE_RANKS();
   auto comm = world();
   const int64_t n = 2333;
-  std::vector<Tensor> tensors = split(input_of(comm->rank(), n, 12, false), {n});
+  const uint64_t seed = testing::world_seed(*comm);
+  std::vector<Tensor> tensors = split(input_of(comm->rank(), n, seed, false), {n});
   comm->all_reduce(tensors, ReduceOp::sum);
   std::vector<double> reference(static_cast<size_t>(n), 0.0);
   for (int r = 0; r < comm->size(); ++r) {
-    const std::vector<float> in = input_of(r, n, 12, false);
+    const std::vector<float> in = input_of(r, n, seed, false);
     for (size_t i = 0; i < reference.size(); ++i) reference[i] += in[i];
   }
   const std::vector<float> got = joined(tensors);
@@ -118,11 +120,12 @@ TEST(DistCommunicator, MaxIsExact) {
   REQUIRE_RANKS();
   auto comm = world();
   const int64_t n = 1001;
-  std::vector<Tensor> tensors = split(input_of(comm->rank(), n, 13, false), {1, 999, 1});
+  const uint64_t seed = testing::world_seed(*comm);
+  std::vector<Tensor> tensors = split(input_of(comm->rank(), n, seed, false), {1, 999, 1});
   comm->all_reduce(tensors, ReduceOp::max);
-  std::vector<float> reference = input_of(0, n, 13, false);
+  std::vector<float> reference = input_of(0, n, seed, false);
   for (int r = 1; r < comm->size(); ++r) {
-    const std::vector<float> in = input_of(r, n, 13, false);
+    const std::vector<float> in = input_of(r, n, seed, false);
     for (size_t i = 0; i < reference.size(); ++i) reference[i] = std::max(reference[i], in[i]);
   }
   EXPECT_EQ(joined(tensors), reference);
@@ -149,13 +152,14 @@ TEST(DistCommunicator, BroadcastCopiesTheRootsBytesOfAnyDtype) {
   REQUIRE_RANKS();
   auto comm = world();
   const int root = comm->size() - 1;
+  const uint64_t seed = testing::world_seed(*comm);
   Tensor ints = Tensor::empty({5}, DType::i64);
   for (int i = 0; i < 5; ++i) ints.data<int64_t>()[i] = 1000 * comm->rank() + i;
-  Tensor floats = Tensor::from_vector(input_of(comm->rank(), 7, 14, false), {7});
+  Tensor floats = Tensor::from_vector(input_of(comm->rank(), 7, seed, false), {7});
   std::vector<Tensor> both{ints, floats};
   comm->broadcast(both, root);
   for (int i = 0; i < 5; ++i) EXPECT_EQ(ints.data<int64_t>()[i], 1000 * root + i);
-  EXPECT_EQ(testing::to_floats(floats), input_of(root, 7, 14, false));
+  EXPECT_EQ(testing::to_floats(floats), input_of(root, 7, seed, false));
   comm->barrier();
 }
 
