@@ -52,7 +52,7 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--accum", o.accum, "microbatches per optimizer step")->capture_default_str();
   cmd->add_option("--lr", o.lr,
                   "peak learning rate (default: by the model's width, from the GPT-3 table)");
-  cmd->add_option("--warmup", o.warmup, "warmup steps (default 20, whatever --steps is)");
+  cmd->add_option("--warmup", o.warmup, "warmup steps (default: by the model's width, 20 at tiny to 200 from gpt2-124m up)");
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")
       ->capture_default_str();
