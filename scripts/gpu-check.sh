@@ -9,9 +9,10 @@
 # .carry and .corpora in the device call's carry.
 #
 # convergence (scripts/convergence.sh gpu: every precision on two real-text corpora at the GPT-2
-# 124M layout, 1500 steps each, about 5.2 minutes on an H200) needs a call of its own after a build:
-#   scripts/gpu-check.sh build convergence     (carry .corpora: scripts/corpora.sh makes it here;
-#                                               the GPU machine has no package registry)
+# 124M layout, 1500 steps each, three seeds: 30 runs of about 32 s on an H200) takes two or three
+# calls on one warm machine; its runs stay in runs/convergence-gpu, and each call continues them:
+#   scripts/gpu-check.sh build convergence      then      scripts/gpu-check.sh convergence
+#   (carry .corpora: scripts/corpora.sh makes it here; the GPU machine has no package registry)
 #
 # The device tool allows 10 minutes a command. A cold build plus every stage may not fit: split it
 # in two calls on the same warm machine (build-gpu/ is kept between calls while it stays warm):
@@ -40,6 +41,8 @@
 #   BENCH_TIMEOUT        seconds for octet_bench (default 240; the default set takes ~1-2 min)
 #   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
 #   CONVERGENCE_TIMEOUT  seconds for the convergence stage (default 560)
+#   CONVERGENCE_DIR      its runs, kept between calls (default runs/convergence-gpu); SEEDS, CORPORA
+#                        and PRECISIONS pass through to scripts/convergence.sh
 #
 # The sanitizer runs set OCTET_TEST_SMALL=1. Convention for test authors: when it is set, a
 # parity test skips (GTEST_SKIP) its large shapes (more than 2^22 elements, e.g. 16384x8192),
@@ -257,19 +260,25 @@ stage_bench() {
 
 # ------------------------------------------------------------------------------------------------
 stage_convergence() {
-  local start rc dir="$STATE/convergence"
+  local start rc dir="${CONVERGENCE_DIR:-runs/convergence-gpu}"
   start=$(now)
   if [[ ! -x "$BUILD_DIR/octet" ]]; then
     fail convergence "no $BUILD_DIR/octet (build failed?)"
     return
   fi
-  timeout "${CONVERGENCE_TIMEOUT:-560}" scripts/convergence.sh gpu "$BUILD_DIR" "$dir" \
+  # KEEP_DONE: the runs of an earlier call on this machine are kept, so a check cut short by the
+  # time limit continues with the next call instead of starting over.
+  KEEP_DONE=1 timeout "${CONVERGENCE_TIMEOUT:-560}" scripts/convergence.sh gpu "$BUILD_DIR" "$dir" \
     >"$STATE/convergence.log" 2>&1
   rc=$?
   cp "$dir/table.md" "$OUT/convergence.md" 2>/dev/null
   cp "$dir"/convergence-*.png "$OUT/" 2>/dev/null
   sed 's/^/  /' "$dir/table.md" >"$STATE/convergence_table.txt" 2>/dev/null
-  [[ $rc -eq 124 ]] && fail convergence "timed out after ${CONVERGENCE_TIMEOUT:-560}s"
+  if [[ $rc -eq 124 ]]; then
+    echo "  unfinished; run the stage again on this machine to continue" \
+      >"$STATE/convergence_table.txt"
+    fail convergence "timed out after ${CONVERGENCE_TIMEOUT:-560}s; run it again to continue"
+  fi
   [[ $rc -ne 0 && $rc -ne 124 ]] && fail convergence "an FP8 recipe is more than 1% above BF16, \
 or a run failed (convergence.md; exit $rc)"
   [[ $rc -ne 0 ]] && tail -20 "$STATE/convergence.log" >>"$STATE/convergence_table.txt"
