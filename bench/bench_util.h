@@ -97,6 +97,7 @@ benchmark::internal::Benchmark* configure(benchmark::internal::Benchmark* b);
 /// Registration hooks of the benchmark files; main calls them in this order.
 void register_memory_benchmarks();
 void register_gemm_benchmarks();
+void register_grouped_gemm_benchmarks();
 void register_linear_benchmarks();
 void register_attention_benchmarks();
 

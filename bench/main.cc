@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
 
   octet::bench::register_memory_benchmarks();
   octet::bench::register_gemm_benchmarks();
+  octet::bench::register_grouped_gemm_benchmarks();
   octet::bench::register_linear_benchmarks();
   octet::bench::register_attention_benchmarks();
   benchmark::RunSpecifiedBenchmarks();

@@ -86,6 +86,15 @@ Tensor in_dtype(const Tensor& x, DType dtype) {
 
 }  // namespace
 
+void Linear::run_gemm(const ops::GemmOperand& a, const ops::GemmOperand& b, const Tensor& d,
+                      const ops::GemmArgs& args) {
+  if (deferred_gemms_ != nullptr) {
+    deferred_gemms_->push_back({a, b, d, args});
+  } else {
+    ops::gemm(a, b, d, args);
+  }
+}
+
 Tensor Linear::output_bias(const WeightCast& cast, const Tensor& y) const {
   return y.dtype() == DType::bf16 ? cast.bias_bf16 : bias_;
 }
@@ -278,20 +287,26 @@ Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
   return out;
 }
 
-std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype, Saved& saved,
-                                                      ForwardMode mode) {
-  if (mode == ForwardMode::inference) return std::nullopt;
+bool Linear::takes_fused_input(const Saved& saved, ForwardMode mode) const {
+  if (mode == ForwardMode::inference) return false;
   const Fp8Context* fp8_context = active_fp8();
   const bool fp8 = mode == ForwardMode::recompute ? saved.snapshot.fp8 : fp8_context != nullptr;
-  if (!fp8) return std::nullopt;
-  const fp8::Recipe recipe =
+  if (!fp8) return false;
+  const fp8::Recipe& recipe =
       mode == ForwardMode::recompute ? saved.snapshot.recipe : fp8_context->recipe;
-  if (recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
+  if (recipe.kind != fp8::RecipeKind::delayed) return false;
   // A first pass (of a state not yet built, or built and not yet updated) needs the input's own
   // amax before its cast, which a fused producer cannot give.
   const bool fresh_state = state_ == nullptr || !state_->matches(recipe);
-  if (mode == ForwardMode::normal && (fresh_state || first_delayed_pass(state_.get(), Pass::forward)))
-    return std::nullopt;
+  return !(mode == ForwardMode::normal &&
+           (fresh_state || first_delayed_pass(state_.get(), Pass::forward)));
+}
+
+std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype, Saved& saved,
+                                                      ForwardMode mode) {
+  if (!takes_fused_input(saved, mode)) return std::nullopt;
+  const fp8::Recipe recipe =
+      mode == ForwardMode::recompute ? saved.snapshot.recipe : active_fp8()->recipe;
   Saved out = start_record(saved, mode);
   out.input_q = fp8::QuantizedTensor::allocate(
       rows, in_, recipe.dtype_for(TensorRole::input), recipe.mode_for(TensorRole::input),
@@ -308,6 +323,15 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype,
 }
 
 Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Tensor& residual) {
+  Shape y_shape = x.defined() ? x.shape() : saved.input_shape;
+  if (!y_shape.empty()) y_shape.back() = out_;
+  Tensor y = Tensor::empty(y_shape, x.defined() ? x.dtype() : saved.input_dtype, device_);
+  forward_into(x, y, saved, mode, residual);
+  return y;
+}
+
+void Linear::forward_into(const Tensor& x, const Tensor& y, Saved& saved, ForwardMode mode,
+                          const Tensor& residual) {
   if (x.defined()) {
     check_activation(x, in_, "input");
     OCTET_CHECK(!saved.input_prefilled ||
@@ -335,7 +359,10 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Te
     out.input_shape = x.shape();
     out.input_dtype = x.dtype();
   }
-  Tensor y = Tensor::empty(y_shape, y_dtype, device_);
+  OCTET_CHECK(y.defined() && y.device() == device_ && y.shape() == y_shape && y.dtype() == y_dtype,
+              "Linear(in=", in_, ", out=", out_, ") writes its output into ", dtype_name(y_dtype),
+              shape_str(y_shape), " on ", device_, ", got ",
+              y.defined() ? y.describe() : std::string("an undefined tensor"));
   const Tensor x2 = x.defined() ? x.view({-1, in_}) : Tensor();
   const Tensor y2 = y.view({-1, out_});
   const Tensor residual2 = residual.defined() ? residual.view({-1, out_}) : Tensor();
@@ -346,7 +373,6 @@ Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Te
   }
   out.input_prefilled = false;  // consumed: a later forward into this record quantizes again
   saved = std::move(out);
-  return y;
 }
 
 void Linear::forward_fp8(const Tensor& x, const Tensor& y, const Tensor& residual, ForwardMode mode,
@@ -382,7 +408,7 @@ void Linear::forward_fp8(const Tensor& x, const Tensor& y, const Tensor& residua
   args.addend = residual;
   args.accumulation = ops::Accumulation::fast;
   // TN: x [rows, in] times (W [out, in])^T.
-  ops::gemm(ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/false),
+  run_gemm(ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/false),
             ops::GemmOperand::fp8(snap.weight->q, /*use_transposed_copy=*/false,
                                   /*transpose=*/true),
             y, args);
@@ -393,11 +419,20 @@ void Linear::forward_dense(const Tensor& x, const Tensor& y, const Tensor& resid
   ops::GemmArgs args;
   args.bias = output_bias(*saved.snapshot.weight, y);
   args.addend = residual;
-  ops::gemm(ops::GemmOperand::dense(saved.input),
+  run_gemm(ops::GemmOperand::dense(saved.input),
             ops::GemmOperand::dense(saved.snapshot.weight->dense, /*transpose=*/true), y, args);
 }
 
 Tensor Linear::backward(const Tensor& dy, const Saved& saved) {
+  OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr,
+              "Linear::backward needs the Saved of a forward (or of a recompute), got an empty "
+              "one");
+  Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
+  backward_into(dy, dx, saved);
+  return dx;
+}
+
+void Linear::backward_into(const Tensor& dy, const Tensor& dx, const Saved& saved) {
   OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr,
               "Linear::backward needs the Saved of a forward (or of a recompute), got an empty "
               "one");
@@ -406,8 +441,11 @@ Tensor Linear::backward(const Tensor& dy, const Saved& saved) {
   expected.back() = out_;
   OCTET_CHECK(dy.shape() == expected, "Linear::backward expects grad_output of shape ",
               shape_str(expected), " (the output's), got ", dy.describe());
-
-  Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
+  OCTET_CHECK(dx.defined() && dx.shape() == saved.input_shape && dx.dtype() == saved.input_dtype &&
+                  dx.device() == device_,
+              "Linear::backward writes dx as ", dtype_name(saved.input_dtype),
+              shape_str(saved.input_shape), " on ", device_, ", got ",
+              dx.defined() ? dx.describe() : std::string("an undefined tensor"));
   const Tensor dy2 = dy.view({-1, out_});
   const Tensor dx2 = dx.view({-1, in_});
   if (saved.snapshot.fp8) {
@@ -415,7 +453,6 @@ Tensor Linear::backward(const Tensor& dy, const Saved& saved) {
   } else {
     backward_dense(dy2, dx2, saved);
   }
-  return dx;
 }
 
 void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved) {
@@ -488,7 +525,7 @@ void Linear::backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& 
   ops::GemmArgs dgrad;
   dgrad.accumulation = ops::Accumulation::split;
   // TN: dy [rows, out] times (W^T [in, out])^T.
-  ops::gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/false),
+  run_gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/false),
             ops::GemmOperand::fp8(saved.snapshot.weight->q, /*use_transposed_copy=*/true,
                                   /*transpose=*/true),
             dx, dgrad);
@@ -496,7 +533,7 @@ void Linear::backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& 
   ops::GemmArgs wgrad = wgrad_args();
   wgrad.accumulation = ops::Accumulation::split;
   // TN: dy^T [out, rows] times (x^T [in, rows])^T.
-  ops::gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/true),
+  run_gemm(ops::GemmOperand::fp8(dy_q, /*use_transposed_copy=*/true),
             ops::GemmOperand::fp8(saved.input_q, /*use_transposed_copy=*/true, /*transpose=*/true),
             grad_weight_, wgrad);
 }
@@ -505,11 +542,11 @@ void Linear::backward_dense(const Tensor& dy, const Tensor& dx, const Saved& sav
   if (grad_bias_.defined()) ops::sum_rows(dy, grad_bias_, bias_grad_accumulates());
   const Tensor dy_c = in_dtype(dy, saved.input.dtype());
   // dx [rows, in] = dy [rows, out] W [out, in].
-  ops::gemm(ops::GemmOperand::dense(dy_c), ops::GemmOperand::dense(saved.snapshot.weight->dense),
+  run_gemm(ops::GemmOperand::dense(dy_c), ops::GemmOperand::dense(saved.snapshot.weight->dense),
             dx);
   const ops::GemmArgs wgrad = wgrad_args();
   // grad_weight [out, in] += dy^T [out, rows] x [rows, in].
-  ops::gemm(ops::GemmOperand::dense(dy_c, /*transpose=*/true), ops::GemmOperand::dense(saved.input),
+  run_gemm(ops::GemmOperand::dense(dy_c, /*transpose=*/true), ops::GemmOperand::dense(saved.input),
             grad_weight_, wgrad);
 }
 

@@ -143,9 +143,10 @@ void check_addend(const GemmArgs& args, const Tensor& d, const GemmShape& shape)
               d.describe(), "; to add D's own contents use beta = 1 instead");
 }
 
-/// Validates every argument and returns the resolved shape.
-GemmShape check_args(const GemmOperand& a, const GemmOperand& b, const Tensor& d,
-                     const GemmArgs& args) {
+}  // namespace
+
+GemmShape check_gemm_args(const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                          const GemmArgs& args) {
   check_operand_defined(a, "A");
   check_operand_defined(b, "B");
   OCTET_CHECK(d.defined(), "gemm: output D is an undefined tensor");
@@ -180,10 +181,8 @@ GemmShape check_args(const GemmOperand& a, const GemmOperand& b, const Tensor& d
   return shape;
 }
 
-}  // namespace
-
 void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args) {
-  const GemmShape shape = check_args(a, b, d, args);
+  const GemmShape shape = check_gemm_args(a, b, d, args);
   const Tensor* a_scale = a.scale_inv.defined() ? &a.scale_inv : nullptr;
   const Tensor* b_scale = b.scale_inv.defined() ? &b.scale_inv : nullptr;
   const Tensor* bias = args.bias.defined() ? &args.bias : nullptr;

@@ -9,6 +9,10 @@ namespace octet::ops {
 struct GemmShape {
   int64_t m = 0, n = 0, k = 0;
 };
+/// Validates one GEMM's arguments as ops::gemm does (messages: expected vs received) and returns
+/// its shape; the grouped GEMM checks each of its groups with it.
+GemmShape check_gemm_args(const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                          const GemmArgs& args);
 }  // namespace octet::ops
 
 namespace octet::ops::cpu {

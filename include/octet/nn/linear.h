@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "octet/core/tensor.h"
 #include "octet/fp8/quantized_tensor.h"
@@ -12,6 +13,7 @@
 #include "octet/nn/cast_stats.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/ops/gemm.h"
+#include "octet/ops/grouped_gemm.h"
 #include "octet/ops/norm.h"
 
 namespace octet::nn {
@@ -133,9 +135,18 @@ class Linear {
   /// returned target points into `saved`: do not move `saved` until forward().
   std::optional<ops::FusedQuantize> fused_input(int64_t rows, DType dtype, Saved& saved,
                                                 ForwardMode mode = ForwardMode::normal);
+  /// Whether fused_input(..., saved, mode) would return a target now (it has no side effects).
+  bool takes_fused_input(const Saved& saved, ForwardMode mode = ForwardMode::normal) const;
+  /// forward() writing into `y` (the output's shape and dtype, on this layer's device), for
+  /// callers that own the output buffer (nn::GroupedLinear: a row range of one expert-contiguous
+  /// output).
+  void forward_into(const Tensor& x, const Tensor& y, Saved& saved,
+                    ForwardMode mode = ForwardMode::normal, const Tensor& residual = Tensor());
   /// dx (x's shape and dtype) from dy [..., out] (f32 or bf16); accumulates grad_weight += dy^T x
   /// and grad_bias += sum over rows of dy, in FP32 with a fixed reduction order.
   Tensor backward(const Tensor& dy, const Saved& saved);
+  /// backward() writing dx into `dx` (the input's shape and dtype).
+  void backward_into(const Tensor& dy, const Tensor& dx, const Saved& saved);
   /// Fusing grad_output's FP8 cast (and the bias gradient) into the op that produces dy (an
   /// activation's backward), under per-tensor delayed scaling:
   ///   fp8::QuantizedTensor dy_q;
@@ -179,6 +190,11 @@ class Linear {
   /// calls on_weights_updated(PreparedCast::written); a next forward in another format casts
   /// again.
   const NextCast& prepare_next_cast();
+  /// GEMM batching: while `queue` is set, forward and backward append their GEMMs to *queue
+  /// (after every cast they read is enqueued) instead of running them, and the caller runs the
+  /// queue (ops::grouped_gemm) before reading their outputs; nullptr runs them at once again.
+  /// nn::GroupedLinear batches its experts' GEMMs this way.
+  void defer_gemms(std::vector<ops::GemmProblem>* queue) { deferred_gemms_ = queue; }
   /// While `out` is set, every FP8 backward measures its grad_output cast into *out (the FP8
   /// statistics); fused_grad_output() then declines, since the fused producer never writes the
   /// high-precision gradient (the unfused path gives bitwise the same result). nullptr stops.
@@ -227,6 +243,9 @@ class Linear {
   /// scaling the input and weight scales in use) and the state registration. `saved` holds the
   /// original snapshot for recompute.
   Saved start_record(const Saved& saved, ForwardMode mode);
+  /// ops::gemm, or appended to the deferred queue (defer_gemms).
+  void run_gemm(const ops::GemmOperand& a, const ops::GemmOperand& b, const Tensor& d,
+                const ops::GemmArgs& args = {});
   /// The bias a GEMM into y adds: bf16 for a bf16 y (see WeightCast::bias_bf16), else the master.
   Tensor output_bias(const WeightCast& cast, const Tensor& y) const;
   /// y = x W^T + b + residual (residual: [rows, out] or undefined), for 2-D x and y.
@@ -254,6 +273,7 @@ class Linear {
   /// the next bias column sums, write instead of adding.
   bool grad_weight_unwritten_ = false;
   CastStats* grad_stats_ = nullptr;  ///< measure_grad_output()
+  std::vector<ops::GemmProblem>* deferred_gemms_ = nullptr;  ///< defer_gemms()
   bool grad_bias_unwritten_ = false;
 };
 

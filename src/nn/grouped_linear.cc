@@ -1,0 +1,176 @@
+#include "octet/nn/grouped_linear.h"
+
+#include <algorithm>
+#include <string>
+
+#include "octet/core/hash.h"
+#include "octet/ops/grouped_gemm.h"
+
+namespace octet::nn {
+namespace {
+
+/// While alive, the experts' GEMMs go to `queue` (Linear::defer_gemms); an exception leaves no
+/// expert deferring into a queue that is gone.
+class DeferredGemms {
+ public:
+  explicit DeferredGemms(std::vector<Linear>& experts) : experts_(experts) {
+    for (Linear& e : experts_) e.defer_gemms(&queue_);
+  }
+  ~DeferredGemms() {
+    for (Linear& e : experts_) e.defer_gemms(nullptr);
+  }
+  DeferredGemms(const DeferredGemms&) = delete;
+  DeferredGemms& operator=(const DeferredGemms&) = delete;
+  /// Runs every gathered GEMM as one grouped GEMM.
+  void run() {
+    ops::grouped_gemm(queue_);
+    queue_.clear();
+  }
+
+ private:
+  std::vector<Linear>& experts_;
+  std::vector<ops::GemmProblem> queue_;
+};
+
+bool has_rows(std::span<const int64_t> offsets, size_t g) { return offsets[g + 1] > offsets[g]; }
+
+}  // namespace
+
+GroupedLinear::Saved GroupedLinear::Saved::snapshot_only() const {
+  Saved out;
+  out.offsets = offsets;
+  out.input_dtype = input_dtype;
+  for (const Linear::Saved& e : experts) {
+    out.experts.push_back(e.snapshot.weight ? Linear::Saved::from_snapshot(e.snapshot)
+                                            : Linear::Saved{});
+  }
+  return out;
+}
+
+void GroupedLinear::Saved::release_forward_only() {
+  for (Linear::Saved& e : experts) e.release_forward_only();
+}
+
+uint64_t GroupedLinear::seed_of_expert(uint64_t seed, int64_t expert) {
+  return mix64(seed ^ mix64(static_cast<uint64_t>(expert) + 1));
+}
+
+GroupedLinear::GroupedLinear(int64_t experts, int64_t in_features, int64_t out_features, bool bias,
+                             const Device& device, uint64_t seed, DType compute_dtype)
+    : in_(in_features), out_(out_features), device_(device) {
+  OCTET_CHECK(experts > 0, "GroupedLinear needs at least one expert, got ", experts);
+  experts_.reserve(static_cast<size_t>(experts));
+  for (int64_t g = 0; g < experts; ++g) {
+    experts_.emplace_back(in_features, out_features, bias, device, seed_of_expert(seed, g),
+                          compute_dtype);
+  }
+}
+
+void GroupedLinear::check_offsets(std::span<const int64_t> offsets) const {
+  OCTET_CHECK(offsets.size() == experts_.size() + 1, "GroupedLinear(", experts_.size(),
+              " experts) expects ", experts_.size() + 1, " group offsets, got ", offsets.size());
+  OCTET_CHECK(offsets[0] == 0, "GroupedLinear: group offsets must start at 0, got ", offsets[0]);
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    OCTET_CHECK(offsets[g + 1] >= offsets[g], "GroupedLinear: group offsets must not decrease, "
+                "got ", offsets[g + 1], " after ", offsets[g], " (expert ", g, ")");
+  }
+}
+
+std::optional<std::vector<ops::FusedQuantize>> GroupedLinear::fused_input(
+    std::span<const int64_t> offsets, DType dtype, Saved& saved, ForwardMode mode) {
+  check_offsets(offsets);
+  const bool recompute = mode == ForwardMode::recompute;
+  OCTET_CHECK(!recompute || saved.experts.size() == experts_.size(),
+              "GroupedLinear::fused_input(recompute) needs the snapshot of the original forward "
+              "(Saved::snapshot_only), got a record of ", saved.experts.size(), " experts");
+  std::vector<Linear::Saved> records(experts_.size());
+  if (recompute) records = std::move(saved.experts);
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    if (has_rows(offsets, g) && !experts_[g].takes_fused_input(records[g], mode)) {
+      if (recompute) saved.experts = std::move(records);
+      return std::nullopt;
+    }
+  }
+  saved.offsets.assign(offsets.begin(), offsets.end());
+  saved.input_dtype = dtype;
+  saved.experts = std::move(records);
+  std::vector<ops::FusedQuantize> targets(experts_.size());
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    if (!has_rows(offsets, g)) continue;
+    targets[g] = *experts_[g].fused_input(offsets[g + 1] - offsets[g], dtype, saved.experts[g],
+                                          mode);
+  }
+  return targets;
+}
+
+Tensor GroupedLinear::forward(const Tensor& x, std::span<const int64_t> offsets, Saved& saved,
+                              ForwardMode mode) {
+  check_offsets(offsets);
+  const int64_t rows = offsets.back();
+  const bool prefilled = saved.offsets.size() == offsets.size() && !saved.experts.empty() &&
+                         std::any_of(saved.experts.begin(), saved.experts.end(),
+                                     [](const Linear::Saved& e) { return e.input_prefilled; });
+  if (x.defined()) {
+    OCTET_CHECK(x.ndim() == 2 && x.rows() == rows && x.cols() == in_, "GroupedLinear(in=", in_,
+                ") expects x [", rows, ", ", in_, "] (rows = the offsets' last entry), got ",
+                x.describe());
+  } else {
+    OCTET_CHECK(prefilled, "GroupedLinear::forward: x is undefined, which needs a fused input "
+                "(fused_input)");
+  }
+  OCTET_CHECK(mode != ForwardMode::recompute || saved.experts.size() == experts_.size(),
+              "GroupedLinear::forward(recompute) needs the snapshot of the original forward "
+              "(Saved::snapshot_only), got a record of ", saved.experts.size(), " experts");
+  const DType dtype = x.defined() ? x.dtype() : saved.input_dtype;
+  if (saved.experts.size() != experts_.size()) saved.experts.assign(experts_.size(), {});
+  saved.offsets.assign(offsets.begin(), offsets.end());
+  saved.input_dtype = dtype;
+
+  Tensor y = Tensor::empty({rows, out_}, dtype, device_);
+  DeferredGemms gemms(experts_);
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    if (!has_rows(offsets, g)) {
+      saved.experts[g] = Linear::Saved{};
+      continue;
+    }
+    const Tensor xg = x.defined() ? x.slice(offsets[g], offsets[g + 1]) : Tensor();
+    experts_[g].forward_into(xg, y.slice(offsets[g], offsets[g + 1]), saved.experts[g], mode);
+  }
+  gemms.run();
+  return y;
+}
+
+Tensor GroupedLinear::backward(const Tensor& dy, const Saved& saved) {
+  OCTET_CHECK(saved.experts.size() == experts_.size() &&
+                  saved.offsets.size() == experts_.size() + 1,
+              "GroupedLinear::backward needs the Saved of a forward (or of a recompute), got a "
+              "record of ", saved.experts.size(), " experts");
+  const std::span<const int64_t> offsets = saved.offsets;
+  const int64_t rows = offsets.back();
+  OCTET_CHECK(dy.defined() && dy.ndim() == 2 && dy.rows() == rows && dy.cols() == out_,
+              "GroupedLinear::backward expects grad_output [", rows, ", ", out_, "], got ",
+              dy.defined() ? dy.describe() : std::string("an undefined tensor"));
+  Tensor dx = Tensor::empty({rows, in_}, saved.input_dtype, device_);
+  DeferredGemms gemms(experts_);
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    if (!has_rows(offsets, g)) continue;
+    experts_[g].backward_into(dy.slice(offsets[g], offsets[g + 1]),
+                              dx.slice(offsets[g], offsets[g + 1]), saved.experts[g]);
+  }
+  gemms.run();
+  return dx;
+}
+
+void GroupedLinear::zero_grad(ZeroGrad how) {
+  for (Linear& e : experts_) e.zero_grad(how);
+}
+
+void GroupedLinear::settle_grad() {
+  for (Linear& e : experts_) e.settle_grad();
+}
+
+void GroupedLinear::on_weights_updated() {
+  for (Linear& e : experts_) e.on_weights_updated();
+}
+
+}  // namespace octet::nn
