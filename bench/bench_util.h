@@ -99,6 +99,7 @@ void register_memory_benchmarks();
 void register_gemm_benchmarks();
 void register_linear_benchmarks();
 void register_attention_benchmarks();
+void register_moe_benchmarks();
 
 }  // namespace octet::bench
 
