@@ -124,6 +124,8 @@ TEST_P(RouterTest, CpuMatchesDefinition) {
   Tensor logits = uniform({tokens, experts}, -3.0f, 3.0f, rng);
   logits.data<float>()[3 * experts + 7] = logits.data<float>()[3 * experts + 2] = 9.0f;  // a tie
   const RouterArgs args = router_args(GetParam(), topk, experts, rng);
+  if (args.selection_bias.defined())  // equal, largest biases: the tie is the top selection key
+    args.selection_bias.data<float>()[7] = args.selection_bias.data<float>()[2] = 0.2f;
   const RouterOutputs out = run_router(logits, args, kCpu);
   const float* l = logits.data<float>();
   std::vector<int> counts(experts, 0);
@@ -168,8 +170,21 @@ TEST_P(RouterTest, CpuMatchesDefinition) {
 TEST_P(RouterTest, BackwardMatchesCentralDifferences) {
   std::mt19937_64 rng(fresh_seed());
   const int64_t tokens = 24, experts = 6, topk = 2;
-  const Tensor logits = uniform({tokens, experts}, -2.0f, 2.0f, rng);
+  // Each token's logits are distinct levels kLevelGap apart (plus a little jitter), and the
+  // selection biases tiny, so that no step of the difference changes which experts are chosen
+  // (the gate is discontinuous where two keys cross).
+  constexpr float kLevelGap = 0.5f, kJitter = 0.05f, kBias = 0.005f;
+  Tensor logits = Tensor::empty({tokens, experts}, DType::f32);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int> level(experts);
+    for (int e = 0; e < experts; ++e) level[e] = e;
+    std::shuffle(level.begin(), level.end(), rng);
+    const std::vector<float> jitter = testing::uniform_values(experts, -kJitter, kJitter, rng);
+    for (int64_t e = 0; e < experts; ++e)
+      logits.data<float>()[t * experts + e] = -2.0f + kLevelGap * level[e] + jitter[e];
+  }
   RouterArgs args = router_args(GetParam(), topk, experts, rng);
+  if (args.selection_bias.defined()) args.selection_bias = uniform({experts}, -kBias, kBias, rng);
   args.aux_loss_coef = 0.5f;  // large enough to stand out of the central difference's noise
   args.z_loss_coef = 0.1f;
   const Tensor w = uniform({tokens, topk}, -1.0f, 1.0f, rng);
