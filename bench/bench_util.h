@@ -100,6 +100,7 @@ void register_gemm_benchmarks();
 void register_grouped_gemm_benchmarks();
 void register_linear_benchmarks();
 void register_attention_benchmarks();
+void register_moe_benchmarks();
 
 }  // namespace octet::bench
 

@@ -61,6 +61,7 @@ int main(int argc, char** argv) {
   octet::bench::register_grouped_gemm_benchmarks();
   octet::bench::register_linear_benchmarks();
   octet::bench::register_attention_benchmarks();
+  octet::bench::register_moe_benchmarks();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

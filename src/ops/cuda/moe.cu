@@ -1,0 +1,485 @@
+// CUDA MoE ops: the router (one thread per token, serial over the experts, as the CPU), its
+// statistics (one CTA per expert, fixed_order_reduce.h's order), the plan (one CTA per expert
+// scanning the routed slots in order: a stable layout with integer work only), row-parallel
+// dispatch / combine, and the scaled activation (one CTA per permuted row: its dprob is that CTA's
+// fixed-order reduction; dbias is per-16-row-tile partials in their own slots, then a second pass
+// over each expert's tiles in order). No float atomics anywhere (DESIGN.md rule 3), so every
+// output is the same bytes on every run.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cub/block/block_scan.cuh>
+
+#include "octet/core/cuda_context.h"
+#include "ops/fixed_order_reduce.h"
+#include "ops/moe_backend.h"
+#include "ops/moe_math.h"
+
+namespace octet::ops::cuda {
+namespace {
+
+using math::from_float;
+using math::to_float;
+
+/// Threads of the element-parallel kernels.
+constexpr int kThreads = 256;
+/// Threads of every per-row and per-expert reduction: the lanes of the fixed order.
+constexpr int kLanes = kMoeDotLanes;
+static_assert(kLanes == kThreads, "the row kernels reduce with all their threads");
+
+constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T>
+const T* in(const Tensor& t) {
+  return static_cast<const T*>(t.raw_data());
+}
+template <typename T>
+T* out(const Tensor& t) {
+  return static_cast<T*>(t.raw_data());
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels: router
+
+__global__ void router_forward_kernel(const float* logits, const float* bias, int64_t tokens,
+                                      int64_t experts, int64_t topk, RouterScoring scoring,
+                                      float* scores, int32_t* expert, float* prob, float* lse) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  lse[t] = moe::router_row_forward(logits + t * experts, experts, topk, scoring, bias,
+                                   scores + t * experts, expert + t * topk, prob + t * topk);
+}
+
+/// CTA e < experts: counts[e] and sums[e] = sum_t scores[t, e]; CTA `experts`: sums[experts] =
+/// sum_t lse_t^2. Each in the fixed order of kLanes lanes (the CPU's fixed_order_reduce).
+__global__ void router_stats_kernel(const float* scores, const int32_t* expert, const float* lse,
+                                    int64_t tokens, int64_t experts, int64_t topk,
+                                    int32_t* counts, float* sums) {
+  __shared__ float shared[kLanes];
+  __shared__ int32_t shared_count[kLanes];
+  const int64_t e = blockIdx.x;
+  if (e == experts) {
+    const float s = fixed_order_reduce_block<kLanes, float>(
+        tokens, SumOp{}, [&](int64_t t) { return rn::mul(lse[t], lse[t]); }, shared);
+    if (threadIdx.x == 0) sums[experts] = s;
+    return;
+  }
+  const float s = fixed_order_reduce_block<kLanes, float>(
+      tokens, SumOp{}, [&](int64_t t) { return scores[t * experts + e]; }, shared);
+  const int32_t n = fixed_order_reduce_block<kLanes, int32_t>(
+      tokens * topk, SumOp{}, [&](int64_t i) { return expert[i] == e ? 1 : 0; }, shared_count);
+  if (threadIdx.x == 0) sums[e] = s, counts[e] = n;
+}
+
+__global__ void router_losses_kernel(const int32_t* counts, const float* sums, int64_t tokens,
+                                     int64_t experts, int64_t topk, float aux_coef, float z_coef,
+                                     float* aux_loss, float* z_loss) {
+  aux_loss[0] = aux_coef > 0.0f
+                    ? moe::aux_loss_value(aux_coef, counts, sums, tokens, experts, topk)
+                    : 0.0f;
+  z_loss[0] = z_coef > 0.0f ? moe::z_loss_value(z_coef, sums[experts], tokens) : 0.0f;
+}
+
+__global__ void router_backward_kernel(const float* logits, const float* scores,
+                                       const int32_t* expert, const float* prob,
+                                       const float* dprob, const float* lse, const int32_t* counts,
+                                       float aux_coef, float z_scale, int64_t tokens,
+                                       int64_t experts, int64_t topk, RouterScoring scoring,
+                                       float* dlogits) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  moe::router_row_backward(logits + t * experts, scores + t * experts, expert + t * topk,
+                           prob + t * topk, dprob + t * topk, lse[t], counts, aux_coef, z_scale,
+                           tokens, experts, topk, scoring, dlogits + t * experts);
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels: plan
+
+/// CTA e scans the slots in order: slot_row[i] = the rank of slot i among e's slots (for
+/// expert[i] == e), count[e] = their number.
+__global__ void plan_positions_kernel(const int32_t* expert, int64_t slots, int32_t* slot_row,
+                                      int32_t* count) {
+  using Scan = cub::BlockScan<int32_t, kThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int32_t e = static_cast<int32_t>(blockIdx.x);
+  int32_t running = 0;
+  for (int64_t base = 0; base < slots; base += kThreads) {
+    const int64_t i = base + threadIdx.x;
+    const int32_t flag = i < slots && expert[i] == e ? 1 : 0;
+    int32_t rank = 0, total = 0;
+    Scan(scan).ExclusiveSum(flag, rank, total);
+    if (flag) slot_row[i] = running + rank;
+    running += total;
+    __syncthreads();  // scan storage is reused by the next chunk
+  }
+  if (threadIdx.x == 0) count[e] = running;
+}
+
+__global__ void plan_offsets_kernel(const int32_t* count, int64_t experts, int32_t* offsets) {
+  offsets[0] = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    offsets[e + 1] = offsets[e] + static_cast<int32_t>(ceil_div(count[e], kMoeGroupAlign) *
+                                                       kMoeGroupAlign);
+}
+
+__global__ void plan_scatter_kernel(const int32_t* expert, int64_t slots, int64_t topk,
+                                    const int32_t* offsets, int32_t* slot_row, int32_t* row_map) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= slots) return;
+  const int32_t row = offsets[expert[i]] + slot_row[i];
+  slot_row[i] = row;
+  row_map[2 * row] = static_cast<int32_t>(i / topk);
+  row_map[2 * row + 1] = static_cast<int32_t>(i % topk);
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels: dispatch and combine (one CTA per row)
+
+/// permuted[r] = x[token of r] or zeros, in `Unit`s (16 bytes when rows allow, else 2).
+template <typename Unit>
+__global__ void dispatch_kernel(const Unit* x, const int32_t* row_map, int64_t units,
+                                Unit* permuted) {
+  const int64_t r = blockIdx.x;
+  const int32_t t = row_map[2 * r];
+  for (int64_t c = threadIdx.x; c < units; c += blockDim.x)
+    permuted[r * units + c] = t < 0 ? Unit{} : x[t * units + c];
+}
+
+template <typename T>
+__global__ void dispatch_backward_kernel(const T* d_permuted, const int32_t* slot_row,
+                                         int64_t dim, int64_t topk, T* dx) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t s = 0; s < topk; ++s)
+      acc = rn::add(acc, to_float(d_permuted[slot_row[t * topk + s] * dim + c]));
+    dx[t * dim + c] = from_float<T>(acc);
+  }
+}
+
+template <typename T>
+__global__ void combine_kernel(const T* expert_out, const float* prob, const int32_t* slot_row,
+                               int64_t dim, int64_t topk, T* y) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t s = 0; s < topk; ++s) {
+      const float v = to_float(expert_out[slot_row[t * topk + s] * dim + c]);
+      acc = rn::add(acc, prob != nullptr ? rn::mul(prob[t * topk + s], v) : v);
+    }
+    y[t * dim + c] = from_float<T>(acc);
+  }
+}
+
+/// CTA r: d_expert_out[r] = prob * dy[token] (0 for padding) and dprob[token, slot] = <dy[token],
+/// expert_out[r]> in the fixed order.
+template <typename T>
+__global__ void combine_backward_kernel(const T* dy, const T* expert_out, const float* prob,
+                                        const int32_t* row_map, int64_t dim, int64_t topk,
+                                        T* d_expert_out, float* dprob) {
+  __shared__ float shared[kLanes];
+  const int64_t r = blockIdx.x;
+  const int32_t t = row_map[2 * r], s = row_map[2 * r + 1];
+  const float p = t >= 0 && prob != nullptr ? prob[t * topk + s] : 1.0f;
+  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
+    if (t < 0) {
+      d_expert_out[r * dim + c] = from_float<T>(0.0f);
+    } else {
+      const float g = to_float(dy[t * dim + c]);
+      d_expert_out[r * dim + c] = from_float<T>(prob != nullptr ? rn::mul(p, g) : g);
+    }
+  }
+  if (t < 0 || prob == nullptr) return;  // uniform across the CTA
+  const float dot = fixed_order_reduce_block<kLanes, float>(
+      dim, SumOp{},
+      [&](int64_t c) { return rn::mul(to_float(dy[t * dim + c]), to_float(expert_out[r * dim + c])); },
+      shared);
+  if (threadIdx.x == 0) dprob[t * topk + s] = dot;
+}
+
+__global__ void gather_row_probs_kernel(const float* prob, const int32_t* row_map, int64_t rows,
+                                        int64_t topk, float* row_prob) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const int32_t t = row_map[2 * r];
+  row_prob[r] = t < 0 ? 0.0f : prob[t * topk + row_map[2 * r + 1]];
+}
+
+__global__ void scatter_row_probs_kernel(const float* d_row_prob, const int32_t* slot_row,
+                                         int64_t slots, float* dprob) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < slots) dprob[i] = d_row_prob[slot_row[i]];
+}
+
+// ----------------------------------------------------------------------------
+// CUDA kernels: scaled activation (one CTA per permuted row)
+
+template <typename T, MoeActivation kAct>
+__global__ void scaled_activation_forward_kernel(const T* fc1, const float* row_prob,
+                                                 const int32_t* row_map, const int32_t* offsets,
+                                                 int64_t experts, const float* bias, int64_t f,
+                                                 T* h) {
+  constexpr bool kGated = moe::gated(kAct);
+  const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
+  const int32_t e = moe::expert_of_row(offsets, experts, r);
+  const bool padding = row_map[2 * r] < 0 || e < 0;
+  const T* x = fc1 + r * in_cols;
+  const float p = row_prob[r];
+  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
+    if (padding) {
+      h[r * f + j] = from_float<T>(0.0f);
+      continue;
+    }
+    float v = moe::activate<kAct>(to_float(x[j]), kGated ? to_float(x[f + j]) : 0.0f);
+    if (bias != nullptr) v = rn::add(v, bias[e * f + j]);
+    h[r * f + j] = from_float<T>(rn::mul(v, p));
+  }
+}
+
+/// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns).
+template <typename T, MoeActivation kAct>
+__global__ void scaled_activation_backward_kernel(const T* dh, const T* fc1, const float* row_prob,
+                                                  const int32_t* row_map, const int32_t* offsets,
+                                                  int64_t experts, const float* bias, int64_t f,
+                                                  T* dfc1, float* d_row_prob) {
+  __shared__ float shared[kLanes];
+  constexpr bool kGated = moe::gated(kAct);
+  const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
+  const int32_t e = moe::expert_of_row(offsets, experts, r);
+  if (row_map[2 * r] < 0 || e < 0) {  // uniform across the CTA
+    for (int64_t j = threadIdx.x; j < in_cols; j += blockDim.x)
+      dfc1[r * in_cols + j] = from_float<T>(0.0f);
+    if (threadIdx.x == 0) d_row_prob[r] = 0.0f;
+    return;
+  }
+  const T* x = fc1 + r * in_cols;
+  const T* g = dh + r * f;
+  const float p = row_prob[r];
+  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
+    float dgate = 0.0f, dup = 0.0f;
+    moe::activate_grad<kAct>(rn::mul(to_float(g[j]), p), to_float(x[j]),
+                             kGated ? to_float(x[f + j]) : 0.0f, dgate, dup);
+    dfc1[r * in_cols + j] = from_float<T>(dgate);
+    if constexpr (kGated) dfc1[r * in_cols + f + j] = from_float<T>(dup);
+  }
+  const float dot = fixed_order_reduce_block<kLanes, float>(
+      f, SumOp{},
+      [&](int64_t j) {
+        float v = moe::activate<kAct>(to_float(x[j]), kGated ? to_float(x[f + j]) : 0.0f);
+        if (bias != nullptr) v = rn::add(v, bias[e * f + j]);
+        return rn::mul(to_float(g[j]), v);
+      },
+      shared);
+  if (threadIdx.x == 0) d_row_prob[r] = dot;
+}
+
+/// Pass 1 of dbias: partial[tile, j] = sum over the tile's mapped rows, in order, of dh * prob.
+template <typename T>
+__global__ void dbias_tile_partials_kernel(const T* dh, const float* row_prob,
+                                           const int32_t* row_map, int64_t f, float* partial) {
+  const int64_t tile = blockIdx.x;
+  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (j >= f) return;
+  float acc = 0.0f;
+  for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r)
+    if (row_map[2 * r] >= 0) acc = rn::add(acc, rn::mul(to_float(dh[r * f + j]), row_prob[r]));
+  partial[tile * f + j] = acc;
+}
+
+/// Pass 2: dbias[e, j] = sum of e's tiles' partials in tile order.
+__global__ void dbias_expert_sum_kernel(const float* partial, const int32_t* offsets, int64_t f,
+                                        float* dbias) {
+  const int64_t e = blockIdx.x;
+  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (j >= f) return;
+  float acc = 0.0f;
+  for (int64_t tile = offsets[e] / kMoeGroupAlign; tile < offsets[e + 1] / kMoeGroupAlign; ++tile)
+    acc = rn::add(acc, partial[tile * f + j]);
+  dbias[e * f + j] = acc;
+}
+
+// ----------------------------------------------------------------------------
+// kernel launchers
+
+unsigned blocks_for(int64_t n) { return static_cast<unsigned>(ceil_div(n, kThreads)); }
+
+/// Runs f(T{}) for an f32 or bf16 tensor.
+template <typename F>
+void visit(DType dtype, F&& f) {
+  math::visit_dtype(dtype, std::forward<F>(f));
+}
+
+}  // namespace
+
+void router_forward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& o) {
+  const cudaStream_t stream = octet::cuda::stream(logits.device());
+  const int64_t tokens = logits.rows(), experts = logits.cols(), topk = args.topk;
+  router_forward_kernel<<<blocks_for(tokens), kThreads, 0, stream>>>(
+      in<float>(logits),
+      args.selection_bias.defined() ? in<float>(args.selection_bias) : nullptr, tokens, experts,
+      topk, args.scoring, out<float>(o.scores), out<int32_t>(o.expert), out<float>(o.prob),
+      out<float>(o.lse));
+  OCTET_CHECK_LAUNCH();
+  const Tensor sums = Tensor::empty({experts + 1}, DType::f32, logits.device());
+  router_stats_kernel<<<static_cast<unsigned>(experts + 1), kLanes, 0, stream>>>(
+      in<float>(o.scores), in<int32_t>(o.expert), in<float>(o.lse), tokens, experts, topk,
+      out<int32_t>(o.counts), out<float>(sums));
+  OCTET_CHECK_LAUNCH();
+  router_losses_kernel<<<1, 1, 0, stream>>>(in<int32_t>(o.counts), in<float>(sums), tokens,
+                                            experts, topk, args.aux_loss_coef, args.z_loss_coef,
+                                            out<float>(o.aux_loss), out<float>(o.z_loss));
+  OCTET_CHECK_LAUNCH();
+}
+
+void router_backward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& s,
+                     const Tensor& dprob, const Tensor& dlogits) {
+  const cudaStream_t stream = octet::cuda::stream(logits.device());
+  const int64_t tokens = logits.rows(), experts = logits.cols();
+  const float z_scale =
+      args.z_loss_coef > 0.0f ? moe::z_score_scale(args.z_loss_coef, tokens) : 0.0f;
+  router_backward_kernel<<<blocks_for(tokens), kThreads, 0, stream>>>(
+      in<float>(logits), in<float>(s.scores), in<int32_t>(s.expert), in<float>(s.prob),
+      in<float>(dprob), in<float>(s.lse),
+      args.aux_loss_coef > 0.0f ? in<int32_t>(s.counts) : nullptr, args.aux_loss_coef, z_scale,
+      tokens, experts, args.topk, args.scoring, out<float>(dlogits));
+  OCTET_CHECK_LAUNCH();
+}
+
+void moe_plan(const Tensor& expert, const MoePlan& plan) {
+  const cudaStream_t stream = octet::cuda::stream(expert.device());
+  const int64_t slots = expert.numel(), experts = plan.experts();
+  const Tensor count = Tensor::empty({experts}, DType::i32, expert.device());
+  plan_positions_kernel<<<static_cast<unsigned>(experts), kThreads, 0, stream>>>(
+      in<int32_t>(expert), slots, out<int32_t>(plan.slot_row), out<int32_t>(count));
+  OCTET_CHECK_LAUNCH();
+  plan_offsets_kernel<<<1, 1, 0, stream>>>(in<int32_t>(count), experts,
+                                           out<int32_t>(plan.offsets));
+  OCTET_CHECK_LAUNCH();
+  OCTET_CHECK_CUDA(cudaMemsetAsync(plan.row_map.raw_data(), 0xFF, plan.row_map.nbytes(), stream));
+  plan_scatter_kernel<<<blocks_for(slots), kThreads, 0, stream>>>(
+      in<int32_t>(expert), slots, expert.size(1), in<int32_t>(plan.offsets),
+      out<int32_t>(plan.slot_row), out<int32_t>(plan.row_map));
+  OCTET_CHECK_LAUNCH();
+}
+
+void moe_dispatch(const Tensor& x, const MoePlan& plan, const Tensor& permuted) {
+  const cudaStream_t stream = octet::cuda::stream(x.device());
+  const int64_t row_bytes = x.cols() * static_cast<int64_t>(dtype_size(x.dtype()));
+  const auto aligned = [](const Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.raw_data()) % sizeof(uint4) == 0;
+  };
+  const auto grid = static_cast<unsigned>(plan.capacity());
+  if (row_bytes % static_cast<int64_t>(sizeof(uint4)) == 0 && aligned(x) && aligned(permuted)) {
+    dispatch_kernel<uint4><<<grid, kThreads, 0, stream>>>(
+        in<uint4>(x), in<int32_t>(plan.row_map), row_bytes / sizeof(uint4), out<uint4>(permuted));
+  } else {
+    dispatch_kernel<uint16_t><<<grid, kThreads, 0, stream>>>(
+        in<uint16_t>(x), in<int32_t>(plan.row_map), row_bytes / sizeof(uint16_t),
+        out<uint16_t>(permuted));
+  }
+  OCTET_CHECK_LAUNCH();
+}
+
+void moe_dispatch_backward(const Tensor& d_permuted, const MoePlan& plan, const Tensor& dx) {
+  const cudaStream_t stream = octet::cuda::stream(dx.device());
+  visit(dx.dtype(), [&](auto type) {
+    using T = decltype(type);
+    dispatch_backward_kernel<T><<<static_cast<unsigned>(dx.rows()), kThreads, 0, stream>>>(
+        in<T>(d_permuted), in<int32_t>(plan.slot_row), dx.cols(), plan.slot_row.size(1),
+        out<T>(dx));
+    OCTET_CHECK_LAUNCH();
+  });
+}
+
+void moe_combine(const Tensor& expert_out, const Tensor& prob, const MoePlan& plan,
+                 const Tensor& y) {
+  const cudaStream_t stream = octet::cuda::stream(y.device());
+  visit(y.dtype(), [&](auto type) {
+    using T = decltype(type);
+    combine_kernel<T><<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
+        in<T>(expert_out), prob.defined() ? in<float>(prob) : nullptr,
+        in<int32_t>(plan.slot_row), y.cols(), plan.slot_row.size(1), out<T>(y));
+    OCTET_CHECK_LAUNCH();
+  });
+}
+
+void moe_combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& prob,
+                          const MoePlan& plan, const Tensor& d_expert_out, const Tensor& dprob) {
+  const cudaStream_t stream = octet::cuda::stream(dy.device());
+  visit(dy.dtype(), [&](auto type) {
+    using T = decltype(type);
+    combine_backward_kernel<T><<<static_cast<unsigned>(plan.capacity()), kLanes, 0, stream>>>(
+        in<T>(dy), expert_out.defined() ? in<T>(expert_out) : nullptr,
+        prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.row_map), dy.cols(),
+        plan.slot_row.size(1), out<T>(d_expert_out),
+        dprob.defined() ? out<float>(dprob) : nullptr);
+    OCTET_CHECK_LAUNCH();
+  });
+}
+
+void moe_gather_row_probs(const Tensor& prob, const MoePlan& plan, const Tensor& row_prob) {
+  const cudaStream_t stream = octet::cuda::stream(prob.device());
+  gather_row_probs_kernel<<<blocks_for(plan.capacity()), kThreads, 0, stream>>>(
+      in<float>(prob), in<int32_t>(plan.row_map), plan.capacity(), plan.slot_row.size(1),
+      out<float>(row_prob));
+  OCTET_CHECK_LAUNCH();
+}
+
+void moe_scatter_row_probs(const Tensor& d_row_prob, const MoePlan& plan, const Tensor& dprob) {
+  const cudaStream_t stream = octet::cuda::stream(dprob.device());
+  scatter_row_probs_kernel<<<blocks_for(dprob.numel()), kThreads, 0, stream>>>(
+      in<float>(d_row_prob), in<int32_t>(plan.slot_row), dprob.numel(), out<float>(dprob));
+  OCTET_CHECK_LAUNCH();
+}
+
+void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
+                                   const MoePlan& plan, const Tensor& bias, const Tensor& h) {
+  const cudaStream_t stream = octet::cuda::stream(fc1.device());
+  visit(fc1.dtype(), [&](auto type) {
+    using T = decltype(type);
+    moe::visit_activation(act, [&](auto a) {
+      scaled_activation_forward_kernel<T, decltype(a)::value>
+          <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
+              in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+              in<int32_t>(plan.offsets), plan.experts(),
+              bias.defined() ? in<float>(bias) : nullptr, h.cols(), out<T>(h));
+      OCTET_CHECK_LAUNCH();
+    });
+  });
+}
+
+void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const Tensor& fc1,
+                                    const Tensor& row_prob, const MoePlan& plan,
+                                    const Tensor& bias, const Tensor& dfc1,
+                                    const Tensor& d_row_prob, const Tensor& dbias) {
+  const cudaStream_t stream = octet::cuda::stream(fc1.device());
+  const int64_t rows = dh.rows(), f = dh.cols();
+  visit(fc1.dtype(), [&](auto type) {
+    using T = decltype(type);
+    moe::visit_activation(act, [&](auto a) {
+      scaled_activation_backward_kernel<T, decltype(a)::value>
+          <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
+              in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+              in<int32_t>(plan.offsets), plan.experts(),
+              bias.defined() ? in<float>(bias) : nullptr, f, out<T>(dfc1),
+              out<float>(d_row_prob));
+      OCTET_CHECK_LAUNCH();
+    });
+    if (!dbias.defined()) return;
+    const int64_t tiles = rows / kMoeGroupAlign;
+    const Tensor partial = Tensor::empty({tiles, f}, DType::f32, fc1.device());
+    const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));
+    dbias_tile_partials_kernel<T><<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads,
+                                    0, stream>>>(in<T>(dh), in<float>(row_prob),
+                                                 in<int32_t>(plan.row_map), f, out<float>(partial));
+    OCTET_CHECK_LAUNCH();
+    dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks),
+                              kThreads, 0, stream>>>(in<float>(partial),
+                                                     in<int32_t>(plan.offsets), f,
+                                                     out<float>(dbias));
+    OCTET_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace octet::ops::cuda
