@@ -2,8 +2,13 @@
 # gpu-check.sh: the device machine's whole check in one call: build, the test suite, the four
 # compute-sanitizer tools over the CUDA op tests, and octet_bench; then a short summary.
 #
-#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench convergence
+#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench convergence bindings soak
 #                                       (default: the first four)
+#
+# bindings: pytest with PyTorch's CUDA cases, python/bench/bench_linear.py, the README's Python
+# example as written, and `pip install ./python` (offline) with an import check (~3-4 minutes).
+# soak: OCTET_GPU_SOAK=1's guard soak over every recipe, the CUDA parity suites under SWEEP_SEEDS
+# (default 10) seeds, and the FP8 snapshot's per-step cost from `octet bench train --profile`.
 #
 # What the GPU machine lacks travels with the call: run scripts/carry.sh here first and name
 # .carry and .corpora in the device call's carry.
@@ -41,6 +46,8 @@
 #   BENCH_TIMEOUT        seconds for octet_bench (default 240; the default set takes ~1-2 min)
 #   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
 #   CONVERGENCE_TIMEOUT  seconds for the convergence stage (default 560)
+#   SOAK_TIMEOUT, SWEEP_TIMEOUT  seconds for the soak stage's guard soak (300) and seed sweep (400;
+#                        the sweep reports the seeds it finished); SWEEP_SEEDS (default 10)
 #   CONVERGENCE_DIR      its runs, kept between calls (default runs/convergence-gpu); SEEDS, CORPORA
 #                        and PRECISIONS pass through to scripts/convergence.sh
 #
@@ -286,6 +293,86 @@ or a run failed (convergence.md; exit $rc)"
 }
 
 # ------------------------------------------------------------------------------------------------
+# The bindings on the GPU (issue 17): pytest with PyTorch's CUDA cases, the binding's benchmark
+# against torch.nn.Linear and octet's own C++ Linear, the README's example as written, and the
+# documented `pip install ./python` (offline: the image's scikit-build-core builds it).
+stage_bindings() {
+  local start rc lib="$PWD/$BUILD_DIR/liboctet_c.so" log="$OUT/bindings.log" py=(python3)
+  start=$(now)
+  : >"$log"
+  if [[ ! -f "$lib" ]]; then
+    fail bindings "no $lib (build failed, or the C API was left out)"
+    return
+  fi
+  local env=(env OCTET_C_LIBRARY="$lib" PYTHONPATH="$PWD/python")
+  echo "=== pytest" >>"$log"
+  "${env[@]}" timeout 300 "${py[@]}" -m pytest -q -p no:cacheprovider python/tests -rs >>"$log" 2>&1
+  rc=$?
+  record bindings_pytest "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
+  [[ $rc -ne 0 ]] && fail bindings "pytest exited $rc (bindings.log)"
+  echo "=== python/bench/bench_linear.py" >>"$log"
+  "${env[@]}" timeout 240 "${py[@]}" python/bench/bench_linear.py >"$STATE/bench_linear.json" 2>>"$log"
+  rc=$?
+  cat "$STATE/bench_linear.json" >>"$log"
+  [[ $rc -ne 0 ]] && fail bindings "bench_linear.py exited $rc (bindings.log)"
+  echo "=== the README's Python example, as written" >>"$log"
+  "${py[@]}" -c '
+import re, sys
+blocks = re.findall(r"```python\n(.*?)```", open("README.md").read(), re.S)
+sys.stdout.write(blocks[0] + "\nprint(\"README example: loss after 200 steps\", loss.item())\n")' \
+    >"$STATE/readme_example.py"
+  "${env[@]}" timeout 120 "${py[@]}" "$STATE/readme_example.py" >>"$log" 2>&1
+  rc=$?
+  record bindings_readme "$(grep 'README example' "$log" | tail -1)"
+  [[ $rc -ne 0 ]] && fail bindings "the README example exited $rc (bindings.log)"
+  echo "=== pip install --no-build-isolation ./python" >>"$log"
+  local cmake_args=""
+  [[ -f /usr/include/dlpack/dlpack.h ]] || cmake_args="-DOCTET_DLPACK_INCLUDE_DIR=$PWD/.carry/include"
+  rm -rf "$STATE/site"
+  CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" CMAKE_ARGS="$cmake_args" timeout 400 "${py[@]}" -m pip install \
+    -q --no-build-isolation --no-index --no-deps --target "$STATE/site" ./python >>"$log" 2>&1 &&
+    (cd "$STATE" && PYTHONPATH="$STATE/site" "${py[@]}" -c \
+      'import octet; print("pip-installed octet:", octet.__file__, "cuda devices:", octet.cuda_info()[1])') \
+      >>"$log" 2>&1
+  rc=$?
+  record bindings_pip "$(grep 'pip-installed octet' "$log" | tail -1 || true)"
+  [[ $rc -ne 0 ]] && fail bindings "pip install ./python failed ($rc; bindings.log)"
+  record bindings_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
+# The long GPU checks of issue 15: the guard soak over every recipe with and without recompute
+# (OCTET_GPU_SOAK=1), the CUDA parity suites under SWEEP_SEEDS seeds (scripts/seed-sweep.sh), and
+# what the per-step FP8 snapshot costs (`octet bench train --profile`, its fp8_snapshot row).
+stage_soak() {
+  local start rc log="$OUT/soak.log"
+  start=$(now)
+  : >"$log"
+  if [[ ! -x "$TESTS_BIN" ]]; then
+    fail soak "no $TESTS_BIN (build failed?)"
+    return
+  fi
+  echo "=== OCTET_GPU_SOAK=1 Recipes/GuardGpuSoak.*" >>"$log"
+  OCTET_GPU_SOAK=1 timeout "${SOAK_TIMEOUT:-300}" "$TESTS_BIN" --gtest_brief=1 \
+    --gtest_filter='Recipes/GuardGpuSoak.*' >>"$log" 2>&1
+  rc=$?
+  record soak_guard "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$log" | tr '\n' ' ')exit $rc"
+  [[ $rc -ne 0 ]] && fail soak "the guard soak exited $rc (soak.log)"
+  echo "=== seed sweep of the CUDA parity suites" >>"$log"
+  OCTET_BUILD_DIR="$BUILD_DIR" GPU=1 DEADLINE="${SWEEP_TIMEOUT:-400}" \
+    scripts/seed-sweep.sh "${SWEEP_SEEDS:-10}" >>"$log" 2>&1
+  rc=$?
+  record soak_sweep "$(grep '^seed sweep' "$log" | tail -1) (exit $rc)"
+  [[ $rc -ne 0 ]] && fail soak "the seed sweep found failures (soak.log)"
+  echo "=== octet bench train --model gpt2-124m --profile" >>"$log"
+  timeout 180 "$BUILD_DIR/octet" bench train --model gpt2-124m --steps 10 --profile >>"$log" 2>&1
+  rc=$?
+  record soak_snapshot "$(grep -m1 'fp8_snapshot' "$log" | tr -s ' ')"
+  [[ $rc -ne 0 ]] && fail soak "octet bench train --profile exited $rc (soak.log)"
+  record soak_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
 # Reads the results, tests.json and bench.json; prints the summary and records bench failures.
 summarize() {
   python3 - "$STATE" "$OUT" "$@" <<'EOF'
@@ -407,6 +494,25 @@ if "bench" in stages:
     if unsupported:
         lines.append(f"  ({unsupported} skipped as unsupported by the library)")
 
+if "bindings" in stages:
+    lines.append("bindings: pytest " + value.get("bindings_pytest", "not run"))
+    try:
+        b = json.load(open(os.path.join(state, "bench_linear.json")))
+        for case in ("large", "small"):
+            r = b[case]
+            lines.append(f"  octet.torch.Linear fwd+bwd {'x'.join(map(str, r['shape']))}: "
+                         f"{r['octet_fp8_s'] * 1e3:.3f} ms vs torch.nn.Linear BF16 autocast "
+                         f"{r['torch_bf16_s'] * 1e3:.3f} ms = {r['speedup']:.2f}x")
+    except (OSError, ValueError, KeyError):
+        lines.append("  bench_linear.py: no result (bindings.log)")
+    lines.append("  " + (value.get("bindings_readme") or "README example: no result"))
+    lines.append("  " + (value.get("bindings_pip") or "pip install ./python: no result"))
+
+if "soak" in stages:
+    lines.append("soak: guard soak (OCTET_GPU_SOAK=1) " + value.get("soak_guard", "not run"))
+    lines.append("  " + value.get("soak_sweep", "seed sweep: not run"))
+    lines.append("  snapshot: " + (value.get("soak_snapshot") or "no fp8_snapshot row"))
+
 if "convergence" in stages:
     table = os.path.join(state, "convergence_table.txt")
     lines.append("convergence (scripts/convergence.sh gpu):")
@@ -429,9 +535,9 @@ main() {
   [[ ${#stages[@]} -eq 0 ]] && stages=(build test sanitize bench)
   for stage in "${stages[@]}"; do
     case "$stage" in
-      build | test | sanitize | bench | convergence) ;;
+      build | test | sanitize | bench | convergence | bindings | soak) ;;
       *)
-        echo "gpu-check: unknown stage '$stage' (build test sanitize bench convergence)" >&2
+        echo "gpu-check: unknown stage '$stage' (build test sanitize bench convergence bindings soak)" >&2
         return 2
         ;;
     esac

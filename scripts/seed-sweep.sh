@@ -7,8 +7,11 @@
 #   scripts/seed-sweep.sh [RUNS] [GTEST_FILTER]
 #
 # RUNS defaults to 50; the filter defaults to the CPU cases of the suites in tests/ops,
-# tests/fp8 and tests/nn (GPU cases would only skip). Runs at low priority (nice NICE, default 19).
-# Environment: OCTET_BUILD_DIR (default build-cpu), FIRST (default 1), NICE.
+# tests/fp8 and tests/nn (GPU cases would only skip), or with GPU=1 to their CUDA cases (a test
+# name or suite with "cuda" in it) less the exhaustive FP8 format sweeps, whose inputs are not
+# drawn. Runs at low priority (nice NICE, default 19).
+# Environment: OCTET_BUILD_DIR (default build-cpu), FIRST (default 1), NICE, GPU, DEADLINE (seconds;
+# the sweep stops there and reports the seeds it finished; default none).
 # Prints each failing test with its seed setting, then "seed sweep: R seeds, F failed test runs,
 # T test runs" (exit 1 when any failed).
 set -uo pipefail
@@ -22,14 +25,33 @@ default_filter() {
   grep -ohE '^(TEST|TEST_F|TEST_P|TYPED_TEST)\(\w+' tests/ops/*.cc tests/fp8/*.cc tests/nn/*.cc |
     sed -E 's/^TEST_P\((\w+)/*\/\1.*/; s/^\w+\((\w+)/\1.*/' | sort -u | paste -sd: -
 }
-filter=${2:-"$(default_filter)-*cuda*:*Cuda*:*CUDA*"}
+# The CUDA cases of the same suites: "Suite.*cuda*" per suite, the whole suite when its name says
+# CUDA.
+cuda_filter() {
+  default_filter | tr ':' '\n' | while read -r suite; do
+    case "$suite" in
+      *[Cc]uda* | *CUDA*) echo "$suite" ;;
+      *) echo "${suite}cuda*" ;;
+    esac
+  done | paste -sd: -
+}
+if [ -n "${GPU:-}" ]; then
+  filter=${2:-"$(cuda_filter)-*FormatExhaustive*"}
+else
+  filter=${2:-"$(default_filter)-*cuda*:*Cuda*:*CUDA*"}
+fi
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 start=$(date +%s)
-OCTET_TEST_SEED=${FIRST:-1} nice -n "${NICE:-19}" "$binary" --gtest_brief=1 --gtest_repeat="$runs" \
-  --gtest_filter="$filter" >"$log" 2>&1
+OCTET_TEST_SEED=${FIRST:-1} timeout "${DEADLINE:-0}" nice -n "${NICE:-19}" "$binary" --gtest_brief=1 \
+  --gtest_repeat="$runs" --gtest_filter="$filter" >"$log" 2>&1
 status=$?
+finished=$(grep -c '^\[==========\] [0-9]* tests\{0,1\} from .* ran\.' "$log")
+if ((status == 124)); then
+  echo "seed sweep: stopped at the ${DEADLINE} s deadline after $finished of $runs seeds"
+  runs=$finished status=0
+fi
 # A failed test prints "[   SEED   ] Suite.Test seed S (OCTET_TEST_SEED=K replays it)".
 grep -F '[   SEED   ]' "$log" | sed 's/^\[   SEED   \] /  FAILED /'
 failures=$(grep -cF '[   SEED   ]' "$log")

@@ -5,7 +5,9 @@
 #include <span>
 #include <sstream>
 
+#include "octet/core/device.h"
 #include "octet/core/error.h"
+#include "octet/core/profiler.h"
 #include "octet/ops/optimizer.h"
 #include "octet/ops/quantize.h"
 #include "octet/train/model.h"
@@ -134,7 +136,13 @@ StepChecks::StepChecks(GPT& model, const std::vector<Parameter>& params, const T
 
 StepChecks::~StepChecks() { model_.set_activation_hook(nullptr); }
 
-void StepChecks::begin_step(int64_t) { snapshot_.capture(model_.registry().states()); }
+void StepChecks::begin_step(int64_t) {
+  // One profiler entry for the snapshot's copies (they nest inside it), so `octet bench train
+  // --profile` shows what the snapshot costs a step.
+  DeviceGuard guard(model_.device());
+  profiler::OpScope timer(model_.device(), "fp8_snapshot");
+  snapshot_.capture(model_.registry().states());
+}
 
 void StepChecks::before_microbatch(int64_t step, int64_t micro) {
   if (!injector_.empty()) injector_.before_microbatch(step, micro);
