@@ -4,8 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <optional>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "octet/core/error.h"
 
@@ -87,6 +93,51 @@ TEST_F(Determinism, UnsupportedPathThrowsNamingTheRemedy) {
       EXPECT_THAT(e.message(), HasSubstr("disable scale_bias to use it"));
     }
   }
+}
+
+std::string read_source_file(const std::filesystem::path& relative) {
+  std::ifstream in(std::filesystem::path(OCTET_SOURCE_DIR) / relative);
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// Every public op is accounted for in docs/DETERMINISM.md, and every op there is deterministic
+/// (an op that adds a non-deterministic path comes with a refusal test and a change here).
+TEST(DeterminismDoc, ListsEveryPublicOp) {
+  const std::string doc = read_source_file("docs/DETERMINISM.md");
+  ASSERT_FALSE(doc.empty()) << "cannot read " << OCTET_SOURCE_DIR << "/docs/DETERMINISM.md";
+  // Public functions: declarations at namespace scope (column 0) of the ops headers.
+  const std::regex declaration(R"(^(?!struct|class|enum|using|namespace|template|static|return)[A-Za-z_][\w:<>, ]*[ *&]+([a-z_0-9]+)\()");
+  std::set<std::string> functions;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(std::filesystem::path(OCTET_SOURCE_DIR) / "include/octet/ops")) {
+    std::istringstream header(read_source_file(entry.path()));
+    for (std::string line; std::getline(header, line);) {
+      std::smatch m;
+      if (std::regex_search(line, m, declaration)) functions.insert(m[1]);
+    }
+  }
+  EXPECT_GT(functions.size(), 40u) << "the header scan found too few functions to be right";
+  for (const std::string& f : functions)
+    EXPECT_NE(doc.find("`" + f + "`"), std::string::npos)
+        << "ops function " << f << " is not named in docs/DETERMINISM.md (its paths and whether "
+        << "each is deterministic, or the list of functions that launch no work)";
+  // The table of ops: its fourth column says whether the op is deterministic.
+  std::istringstream table(doc.substr(doc.find("| op family |")));
+  int rows = 0;
+  for (std::string line; std::getline(table, line) && line.rfind("|", 0) == 0;) {
+    std::vector<std::string> cells;
+    std::istringstream row(line);
+    for (std::string cell; std::getline(row, cell, '|');) cells.push_back(cell);
+    if (cells.size() < 5 || cells[1].find("op family") != std::string::npos ||
+        cells[1].find("---") != std::string::npos) {
+      continue;
+    }
+    ++rows;
+    EXPECT_EQ(cells[4], " yes ") << line;
+  }
+  EXPECT_GE(rows, 15);
 }
 
 }  // namespace
