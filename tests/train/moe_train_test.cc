@@ -4,11 +4,14 @@
 // skips the step instead of corrupting the weights.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <string>
 #include <vector>
 
+#include "octet/core/tensor.h"
+#include "octet/train/model.h"
 #include "octet/train/trainer.h"
 #include "train/run_checks.h"
 #include "train/scratch_dir.h"
@@ -88,6 +91,59 @@ TEST(MoeTraining, NanIntoARouterSkipsTheStep) {
   EXPECT_FALSE(lines[2].value("skipped", false)) << lines[2].dump();
   EXPECT_TRUE(std::isfinite(lines[3].at("loss").get<double>()));
   EXPECT_TRUE(lines[3].at("moe").contains("blocks.1.moe"));
+}
+
+/// A 2-layer Llama-style model whose second block is an MoE layer (4 experts, top-2).
+ModelConfig moe_model() {
+  ModelConfig c = model_preset("moe-tiny");
+  c.arch = Arch::llama;
+  c.dim = 32;
+  c.heads = 2;
+  c.ffn = 32;
+  c.moe_every = 2;
+  return c;
+}
+
+TEST(MoeModel, ParametersAndFp8ModulesCoverTheExperts) {
+  GPT model(moe_model(), Precision::from_name("fp8-delayed"), Device::cpu(), 7, false);
+  int64_t count = 0;
+  std::vector<std::string> names;
+  for (const Parameter& p : model.parameters()) {
+    count += p.value.numel();
+    names.push_back(p.name);
+  }
+  EXPECT_EQ(count, model.config().parameter_count());
+  EXPECT_NE(std::find(names.begin(), names.end(), "blocks.1.moe.router.weight"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "blocks.0.mlp.fc1.weight"), names.end());
+  EXPECT_EQ(std::find(names.begin(), names.end(), "blocks.1.mlp.fc1.weight"), names.end());
+  std::vector<std::string> modules;
+  for (const Fp8Module& m : model.fp8_modules()) modules.push_back(m.name);
+  // Block 0: qkv, proj, fc1, fc2; block 1: qkv, proj, 4 fc1 and 4 fc2 experts.
+  ASSERT_EQ(modules.size(), 4u + 2u + 8u);
+  EXPECT_EQ(modules[6], "blocks.1.moe.fc1.experts.0");
+  EXPECT_EQ(modules.back(), "blocks.1.moe.fc2.experts.3");
+}
+
+TEST(MoeModel, RecomputeIsBitwiseNoRecompute) {
+  const Precision fp8 = Precision::from_name("fp8-delayed");
+  GPT plain(moe_model(), fp8, Device::cpu(), 11, /*recompute=*/false);
+  GPT recomputed(moe_model(), fp8, Device::cpu(), 11, /*recompute=*/true);
+  const int64_t batch = 2, seq = 16;
+  const Tensor ids_t = Tensor::empty({batch * seq}, DType::i32);
+  const Tensor targets_t = Tensor::empty({batch * seq}, DType::i32);
+  for (int64_t i = 0; i < batch * seq; ++i) {  // fixed tokens below the byte vocabulary
+    ids_t.data<int32_t>()[i] = static_cast<int32_t>((i * 37 + 5) % 200);
+    targets_t.data<int32_t>()[i] = static_cast<int32_t>((i * 53 + 11) % 200);
+  }
+  for (int step = 0; step < 2; ++step) {
+    const float a = plain.train_microbatch(ids_t, targets_t, batch, seq, 0.5f);
+    const float b = recomputed.train_microbatch(ids_t, targets_t, batch, seq, 0.5f);
+    EXPECT_EQ(a, b) << "loss, step " << step;
+  }
+  const std::vector<Parameter> pa = plain.parameters(), pb = recomputed.parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_TRUE(testing::bitwise_equal(pa[i].grad, pb[i].grad)) << pa[i].name;
 }
 
 }  // namespace
