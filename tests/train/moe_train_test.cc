@@ -97,10 +97,9 @@ TEST(MoeTraining, NanIntoARouterSkipsTheStep) {
 ModelConfig moe_model() {
   ModelConfig c = model_preset("moe-tiny");
   c.arch = Arch::llama;
-  c.dim = 32;
+  c.dim = c.ffn = 32;
   c.heads = 2;
-  c.ffn = 32;
-  c.moe_every = 2;
+  c.moe_every = 2;  // block 0 dense, block 1 MoE
   return c;
 }
 
