@@ -37,13 +37,22 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "activation-grad-cast, bias-grad, optimizer-cast (bitwise the same results; to "
                   "bisect a numerical difference)");
   cmd->add_option("--model", o.model,
-                  "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b or llama-1b (default: tiny on CPU, "
-                  "gpt2-124m on GPU)");
+                  "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b, moe-tiny or moe-16x2048 "
+                  "(default: tiny on CPU, gpt2-124m on GPU)");
   cmd->add_option("--layers", o.layers, "override the preset's layer count");
   cmd->add_option("--dim", o.dim, "override the model width");
   cmd->add_option("--heads", o.heads, "override the number of attention heads");
   cmd->add_option("--ffn", o.ffn, "override the MLP hidden width");
   cmd->add_option("--vocab", o.vocab, "override the vocabulary size (a multiple of 16)");
+  cmd->add_option("--experts", o.experts,
+                  "mixture of experts: experts per MoE layer (0: dense; default: the preset's)");
+  cmd->add_option("--topk", o.topk, "MoE: experts per token (default 2)");
+  cmd->add_option("--act", o.moe_activation, "MoE: the experts' activation: swiglu, geglu, "
+                  "srelu or gelu (default swiglu)");
+  cmd->add_option("--moe-every", o.moe_every,
+                  "MoE: every L-th layer is an MoE layer (1: all, 2: every second; default 1)");
+  cmd->add_option("--aux-loss-coef", o.aux_loss_coef,
+                  "MoE: load-balancing loss weight (0: off; default 0.01)");
   cmd->add_option("--data", o.data, "builtin, text:FILE or bin:GLOB (llm.c shards)")
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "optimizer steps");

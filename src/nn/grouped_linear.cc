@@ -106,14 +106,15 @@ std::optional<std::vector<ops::FusedQuantize>> GroupedLinear::fused_input(
 Tensor GroupedLinear::forward(const Tensor& x, std::span<const int64_t> offsets, Saved& saved,
                               ForwardMode mode) {
   check_offsets(offsets);
-  const int64_t rows = offsets.back();
   const bool prefilled = saved.offsets.size() == offsets.size() && !saved.experts.empty() &&
                          std::any_of(saved.experts.begin(), saved.experts.end(),
                                      [](const Linear::Saved& e) { return e.input_prefilled; });
+  const int64_t grouped = offsets.back();
+  const int64_t rows = x.defined() ? x.rows() : grouped;
   if (x.defined()) {
-    OCTET_CHECK(x.ndim() == 2 && x.rows() == rows && x.cols() == in_, "GroupedLinear(in=", in_,
-                ") expects x [", rows, ", ", in_, "] (rows = the offsets' last entry), got ",
-                x.describe());
+    OCTET_CHECK(x.ndim() == 2 && x.rows() >= grouped && x.cols() == in_, "GroupedLinear(in=", in_,
+                ") expects x [rows >= ", grouped, ", ", in_,
+                "] (the offsets' last entry; rows past it are padding), got ", x.describe());
   } else {
     OCTET_CHECK(prefilled, "GroupedLinear::forward: x is undefined, which needs a fused input "
                 "(fused_input)");
@@ -127,6 +128,7 @@ Tensor GroupedLinear::forward(const Tensor& x, std::span<const int64_t> offsets,
   saved.input_dtype = dtype;
 
   Tensor y = Tensor::empty({rows, out_}, dtype, device_);
+  if (rows > grouped) y.slice(grouped, rows).zero();
   DeferredGemms gemms(experts_);
   for (size_t g = 0; g < experts_.size(); ++g) {
     if (!has_rows(offsets, g)) {
@@ -146,11 +148,13 @@ Tensor GroupedLinear::backward(const Tensor& dy, const Saved& saved) {
               "GroupedLinear::backward needs the Saved of a forward (or of a recompute), got a "
               "record of ", saved.experts.size(), " experts");
   const std::span<const int64_t> offsets = saved.offsets;
-  const int64_t rows = offsets.back();
-  OCTET_CHECK(dy.defined() && dy.ndim() == 2 && dy.rows() == rows && dy.cols() == out_,
-              "GroupedLinear::backward expects grad_output [", rows, ", ", out_, "], got ",
-              dy.defined() ? dy.describe() : std::string("an undefined tensor"));
+  const int64_t grouped = offsets.back();
+  OCTET_CHECK(dy.defined() && dy.ndim() == 2 && dy.rows() >= grouped && dy.cols() == out_,
+              "GroupedLinear::backward expects grad_output [rows >= ", grouped, ", ", out_,
+              "], got ", dy.defined() ? dy.describe() : std::string("an undefined tensor"));
+  const int64_t rows = dy.rows();
   Tensor dx = Tensor::empty({rows, in_}, saved.input_dtype, device_);
+  if (rows > grouped) dx.slice(grouped, rows).zero();
   DeferredGemms gemms(experts_);
   for (size_t g = 0; g < experts_.size(); ++g) {
     if (!has_rows(offsets, g)) continue;
@@ -169,8 +173,8 @@ void GroupedLinear::settle_grad() {
   for (Linear& e : experts_) e.settle_grad();
 }
 
-void GroupedLinear::on_weights_updated() {
-  for (Linear& e : experts_) e.on_weights_updated();
+void GroupedLinear::on_weights_updated(PreparedCast prepared) {
+  for (Linear& e : experts_) e.on_weights_updated(prepared);
 }
 
 }  // namespace octet::nn

@@ -206,8 +206,30 @@ TransformerBlock::TransformerBlock(const BlockConfig& config, const Device& devi
       recompute_(recompute),
       norm1_(config.norm, config.dim, config.norm_eps, device),
       attn_(config, device, seed, compute_dtype),
-      norm2_(config.norm, config.dim, config.norm_eps, device),
-      mlp_(config, device, seed, compute_dtype) {}
+      norm2_(config.norm, config.dim, config.norm_eps, device) {
+  // The MoE layer is rebuilt by the block's own recompute, so it keeps full records itself.
+  if (config.moe.enabled()) {
+    moe_.emplace(config, device, seed, compute_dtype, /*recompute=*/false);
+  } else {
+    mlp_.emplace(config, device, seed, compute_dtype);
+  }
+}
+
+MLP& TransformerBlock::mlp() {
+  OCTET_CHECK(mlp_.has_value(), "TransformerBlock::mlp: this block has an MoE layer (moe())");
+  return *mlp_;
+}
+
+MoE& TransformerBlock::moe() { return const_cast<MoE&>(std::as_const(*this).moe()); }
+
+const MoE& TransformerBlock::moe() const {
+  OCTET_CHECK(moe_.has_value(), "TransformerBlock::moe: this block has a dense MLP (mlp())");
+  return *moe_;
+}
+
+bool TransformerBlock::has_linear(LinearSlot slot) const {
+  return mlp_.has_value() || slot == LinearSlot::qkv || slot == LinearSlot::proj;
+}
 
 Linear& TransformerBlock::linear(LinearSlot slot) {
   return const_cast<Linear&>(std::as_const(*this).linear(slot));
@@ -220,9 +242,10 @@ const Linear& TransformerBlock::linear(LinearSlot slot) const {
     case LinearSlot::proj:
       return attn_.proj();
     case LinearSlot::fc1:
-      return mlp_.fc1();
     case LinearSlot::fc2:
-      return mlp_.fc2();
+      OCTET_CHECK(mlp_.has_value(), "TransformerBlock::linear: an MoE block has no dense ",
+                  slot == LinearSlot::fc1 ? "fc1" : "fc2", " (its experts are in moe())");
+      return slot == LinearSlot::fc1 ? mlp_->fc1() : mlp_->fc2();
   }
   OCTET_ERROR("TransformerBlock::linear: unknown slot ", static_cast<int>(slot));
 }
@@ -241,12 +264,18 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   // The residual adds ride in proj's and fc2's GEMM epilogues: r = x + attn(h1), y = r + mlp(h2).
   saved.residual = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer,
                                  /*residual=*/x);
+  if (moe_) {  // the experts' inputs are the dispatched rows: norm2 writes no FP8 copy
+    const Tensor h2 = norm2_.forward(saved.residual, saved.norm2);
+    Tensor y = moe_->forward(h2, saved.moe, mode, /*residual=*/saved.residual);
+    saved.complete = true;
+    return y;
+  }
   const auto fused_fc1 = norm_cast
-                             ? mlp_.fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode)
+                             ? mlp_->fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode)
                              : std::nullopt;
   const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr,
                                    !fused_fc1 || observed);
-  Tensor y = mlp_.forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);
+  Tensor y = mlp_->forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);
   saved.complete = true;
   return y;
 }
@@ -273,6 +302,7 @@ Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq, Sa
     kept.seq = seq;
     kept.snapshots = {full.attn.qkv.snapshot, full.attn.proj.snapshot, full.mlp.fc1.snapshot,
                       full.mlp.fc2.snapshot};
+    if (moe_) kept.moe = full.moe.for_recompute(/*keep_input=*/false);
     saved = std::move(kept);
   } else {
     saved = std::move(full);
@@ -280,7 +310,7 @@ Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq, Sa
   return y;
 }
 
-Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
+Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved, float aux_loss_scale) {
   OCTET_CHECK(saved.input.defined(),
               "TransformerBlock::backward needs the Saved of a training forward, got an empty one");
   if (!saved.complete) {
@@ -295,7 +325,8 @@ Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
       "TransformerBlock::backward expects dy like its input ", saved.input.describe(), ", got ",
       dy.defined() ? dy.describe() : "none");
   // y = r + mlp(norm2(r)), r = x + attn(norm1(x)): the residual paths add dy through.
-  const Tensor dh2 = mlp_.backward(dy, saved.mlp);
+  const Tensor dh2 =
+      moe_ ? moe_->backward(dy, saved.moe, aux_loss_scale) : mlp_->backward(dy, saved.mlp);
   const Tensor dr = norm2_.backward(dh2, saved.norm2, /*residual=*/dy);
   const Tensor dh1 = attn_.backward(dr, saved.attn);
   Tensor dx = norm1_.backward(dh1, saved.norm1, /*residual=*/dr);
@@ -306,18 +337,24 @@ Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved) {
 void TransformerBlock::zero_grad(ZeroGrad how) {
   norm1_.zero_grad(how);
   norm2_.zero_grad(how);
-  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).zero_grad(how);
+  for (int i = 0; i < kBlockLinears; ++i)
+    if (has_linear(static_cast<LinearSlot>(i))) linear(static_cast<LinearSlot>(i)).zero_grad(how);
+  if (moe_) moe_->zero_grad(how);
 }
 
 void TransformerBlock::settle_grads() {
   norm1_.settle_grad();
   norm2_.settle_grad();
-  for (int i = 0; i < kBlockLinears; ++i) linear(static_cast<LinearSlot>(i)).settle_grad();
+  for (int i = 0; i < kBlockLinears; ++i)
+    if (has_linear(static_cast<LinearSlot>(i))) linear(static_cast<LinearSlot>(i)).settle_grad();
+  if (moe_) moe_->settle_grad();
 }
 
 void TransformerBlock::on_weights_updated(PreparedCast prepared) {
   for (int i = 0; i < kBlockLinears; ++i)
-    linear(static_cast<LinearSlot>(i)).on_weights_updated(prepared);
+    if (has_linear(static_cast<LinearSlot>(i)))
+      linear(static_cast<LinearSlot>(i)).on_weights_updated(prepared);
+  if (moe_) moe_->on_weights_updated(prepared);
 }
 
 }  // namespace octet::nn

@@ -69,11 +69,20 @@ void remove_interrupted_saves(const fs::path& dir) {
 }
 
 json config_json(const ModelConfig& c) {
-  return json{{"preset", c.preset},     {"arch", std::string(arch_name(c.arch))},
-              {"layers", c.layers},     {"dim", c.dim},
-              {"heads", c.heads},       {"ffn", c.ffn},
-              {"vocab", c.vocab},       {"max_seq", c.max_seq},
-              {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}};
+  json j{{"preset", c.preset},     {"arch", std::string(arch_name(c.arch))},
+         {"layers", c.layers},     {"dim", c.dim},
+         {"heads", c.heads},       {"ffn", c.ffn},
+         {"vocab", c.vocab},       {"max_seq", c.max_seq},
+         {"norm_eps", c.norm_eps}, {"rope_theta", c.rope_theta}};
+  // Only MoE models carry the MoE fields, so a dense model's metadata is what it always was.
+  if (c.experts > 0) {
+    j["experts"] = c.experts;
+    j["topk"] = c.topk;
+    j["moe_every"] = c.moe_every;
+    j["moe_activation"] = c.moe_activation;
+    j["aux_loss_coef"] = c.aux_loss_coef;
+  }
+  return j;
 }
 
 ModelConfig config_from_json(const json& j) {
@@ -90,6 +99,13 @@ ModelConfig config_from_json(const json& j) {
   c.max_seq = j.at("max_seq");
   c.norm_eps = j.at("norm_eps");
   c.rope_theta = j.at("rope_theta");
+  if (j.contains("experts")) {
+    c.experts = j.at("experts");
+    c.topk = j.at("topk");
+    c.moe_every = j.at("moe_every");
+    c.moe_activation = j.at("moe_activation").get<std::string>();
+    c.aux_loss_coef = j.at("aux_loss_coef");
+  }
   c.validate();
   return c;
 }
@@ -222,6 +238,15 @@ std::string default_recipe_description(const std::string& precision) {
 
 void check_resume_compatible(const SafetensorsFile& file,
                              const std::map<std::string, std::string>& expected) {
+  // The expert count first, with the flag that fixes it: the config line below would say it too,
+  // buried in two JSON objects.
+  const int64_t held = checkpoint_config(file).experts;
+  const int64_t here = config_from_json(json::parse(expected.at("config"))).experts;
+  OCTET_CHECK(held == here, "checkpoint ", file.path(), " is ",
+              held > 0 ? "an MoE model with " + std::to_string(held) + " experts"
+                       : std::string("a dense model"),
+              ", but this run ", here > 0 ? "has " + std::to_string(here) + " experts" : "is dense",
+              "; resume with ", held > 0 ? "--experts " + std::to_string(held) : "no --experts");
   for (const char* key : {"config", "precision", "recipe", "data", "batch", "seq", "accum", "lr",
                           "warmup", "weight_decay", "grad_clip", "seed"}) {
     // Checkpoints from before the recipe's knobs were stored ran the precision's default recipe.

@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "octet/core/error.h"
+#include "octet/ops/moe.h"
 
 namespace octet::train {
 namespace {
@@ -26,6 +27,13 @@ ModelConfig make(std::string name, Arch arch, int64_t layers, int64_t dim, int64
 }
 }  // namespace
 
+ops::MoeActivation ModelConfig::moe_activation_kind() const {
+  for (auto act : {ops::MoeActivation::swiglu, ops::MoeActivation::geglu,
+                   ops::MoeActivation::srelu, ops::MoeActivation::gelu})
+    if (moe_activation == ops::moe_activation_name(act)) return act;
+  OCTET_ERROR("unknown MoE activation '", moe_activation, "'; expected swiglu, geglu, srelu or gelu");
+}
+
 std::string_view arch_name(Arch arch) { return arch == Arch::gpt2 ? "gpt2" : "llama"; }
 
 // GPT-2 sizes from the GPT-2 paper (vocab 50257 padded to 50304 as llm.c does); llama-1b follows
@@ -35,6 +43,19 @@ ModelConfig model_preset(std::string_view name) {
   if (name == "gpt2-124m") return make("gpt2-124m", Arch::gpt2, 12, 768, 12, 3072, 50304, 1024);
   if (name == "gpt2-350m") return make("gpt2-350m", Arch::gpt2, 24, 1024, 16, 4096, 50304, 1024);
   if (name == "gpt2-1.5b") return make("gpt2-1.5b", Arch::gpt2, 48, 1600, 25, 6400, 50304, 1024);
+  if (name == "moe-tiny") {  // trains on a CPU in seconds
+    ModelConfig c = make("moe-tiny", Arch::gpt2, 2, 128, 4, 256, 256, 128);
+    c.experts = 4;
+    c.topk = 2;
+    return c;
+  }
+  if (name == "moe-16x2048") {  // the field shape of FIELD-NOTES section 3, Llama-style
+    ModelConfig c = make("moe-16x2048", Arch::llama, 4, 2048, 16, 2048, 32000, 1024);
+    c.experts = 16;
+    c.topk = 2;
+    c.rope_theta = 500000.0f;
+    return c;
+  }
   if (name == "llama-1b") {
     ModelConfig c = make("llama-1b", Arch::llama, 16, 2048, 32, 5632, 32000, 2048);
     c.rope_theta = 500000.0f;
@@ -46,7 +67,7 @@ ModelConfig model_preset(std::string_view name) {
 }
 
 std::vector<std::string> model_preset_names() {
-  return {"tiny", "gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-1b"};
+  return {"tiny", "gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-1b", "moe-tiny", "moe-16x2048"};
 }
 
 int64_t ModelConfig::parameter_count() const {
@@ -57,7 +78,14 @@ int64_t ModelConfig::parameter_count() const {
   const int64_t attention = dim * 3 * dim + dim * dim + bias * (3 * dim + dim);
   const int64_t mlp_in = arch == Arch::llama ? 2 * ffn : ffn;
   const int64_t mlp = dim * mlp_in + ffn * dim + bias * (mlp_in + dim);
-  return embeddings + head + layers * (2 * norm + attention + mlp) + norm;
+  int64_t blocks = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t expert_in = ops::moe_activation_input_cols(moe_activation_kind(), ffn);
+    const int64_t moe = experts * (dim * expert_in + ffn * dim + bias * (expert_in + dim)) +
+                        experts * dim;  // the experts and the router
+    blocks += 2 * norm + attention + (is_moe_layer(l) ? moe : mlp);
+  }
+  return embeddings + head + blocks + norm;
 }
 
 void ModelConfig::validate() const {
@@ -70,6 +98,14 @@ void ModelConfig::validate() const {
               " (the FP8 GEMM shape rule)");
   OCTET_CHECK(arch == Arch::gpt2 || head_dim() % 2 == 0,
               "RoPE needs an even head dimension, got ", head_dim());
+  if (experts > 0) {
+    OCTET_CHECK(topk >= 1 && topk <= experts, "--topk (", topk, ") must be in [1, --experts = ",
+                experts, "]");
+    OCTET_CHECK(moe_every >= 1 && moe_every <= layers, "--moe-every (", moe_every,
+                ") must be in [1, layers = ", layers, "]");
+    OCTET_CHECK(aux_loss_coef >= 0.0f, "--aux-loss-coef must be >= 0, got ", aux_loss_coef);
+    moe_activation_kind();  // throws on an unknown name
+  }
   OCTET_CHECK(vocab % kShapeMultiple == 0, "vocab (", vocab, ") must be a multiple of ",
               kShapeMultiple, "; use ", round_up(vocab, kShapeMultiple));
 }
@@ -78,7 +114,13 @@ std::string ModelConfig::describe() const {
   std::ostringstream out;
   out << preset << " (" << arch_name(arch) << ", " << layers << " layers, dim " << dim << ", "
       << heads << " heads, ffn " << ffn << ", vocab " << vocab << ", seq " << max_seq << ", "
-      << parameter_count() / 1e6 << "M parameters)";
+      << parameter_count() / 1e6 << "M parameters";
+  if (experts > 0) {
+    out << "; MoE: " << experts << " experts, top-" << topk << ", " << moe_activation
+        << ", every " << moe_every << (moe_every == 1 ? " layer" : " layers") << ", aux loss "
+        << aux_loss_coef;
+  }
+  out << ")";
   return out.str();
 }
 

@@ -123,9 +123,10 @@ void FaultInjector::before_microbatch(int64_t step, int64_t micro) {
   for (const Fault& f : faults_) {
     if (!f.active(step, micro)) continue;
     if (f.kind == Fault::Kind::amax) {
-      // A copy: fp8_modules() returns a fresh vector each call.
-      const Fp8Module m = model_.fp8_modules()[static_cast<size_t>(f.layer * nn::kBlockLinears)];
-      set_first_element(m.state->amax_slot(fp8::TensorRole::input), f.value);
+      // The layer's first module (its qkv); the count per block differs in MoE models.
+      const std::string qkv = "blocks." + std::to_string(f.layer) + ".attn.qkv";
+      for (const Fp8Module& m : model_.fp8_modules())
+        if (m.name == qkv) set_first_element(m.state->amax_slot(fp8::TensorRole::input), f.value);
     }
     if (f.kind == Fault::Kind::activation) activations.push_back(&f);
   }

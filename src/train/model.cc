@@ -6,6 +6,8 @@
 #include <cstring>
 #include <functional>
 #include <numbers>
+#include <optional>
+#include <tuple>
 #include <utility>
 
 #include "octet/core/hash.h"
@@ -73,6 +75,38 @@ constexpr const char* kSlotNames[nn::kBlockLinears] = {"attn.qkv", "attn.proj", 
 
 std::string module_name(size_t layer, LinearSlot slot) {
   return "blocks." + std::to_string(layer) + "." + kSlotNames[static_cast<int>(slot)];
+}
+
+/// One GEMM Linear of a block with its checkpoint/statistics name and initialization.
+struct NamedLinear {
+  std::string name;
+  nn::Linear* linear;
+  Init init;
+};
+
+/// Every Linear of block `layer`, in registration order: qkv, proj, then the dense fc1 and fc2,
+/// or an MoE's experts ("blocks.3.moe.fc1.experts.5"), fc1's then fc2's, and its shared expert.
+std::vector<NamedLinear> block_linears(nn::TransformerBlock& block, size_t layer) {
+  std::vector<NamedLinear> out;
+  for (LinearSlot slot : {LinearSlot::qkv, LinearSlot::proj, LinearSlot::fc1, LinearSlot::fc2}) {
+    if (!block.has_linear(slot)) continue;
+    const bool residual = slot == LinearSlot::proj || slot == LinearSlot::fc2;
+    out.push_back({module_name(layer, slot), &block.linear(slot),
+                   residual ? Init::residual : Init::normal});
+  }
+  if (!block.is_moe()) return out;
+  nn::MoE& moe = block.moe();
+  const std::string prefix = "blocks." + std::to_string(layer) + ".moe.";
+  for (auto [name, group, init] : {std::tuple{"fc1", &moe.fc1(), Init::normal},
+                                   std::tuple{"fc2", &moe.fc2(), Init::residual}}) {
+    for (int64_t g = 0; g < group->experts(); ++g)
+      out.push_back({prefix + name + ".experts." + std::to_string(g), &group->expert(g), init});
+  }
+  if (nn::MLP* shared = moe.shared()) {
+    out.push_back({prefix + "shared.fc1", &shared->fc1(), Init::normal});
+    out.push_back({prefix + "shared.fc2", &shared->fc2(), Init::residual});
+  }
+  return out;
 }
 
 /// t on `device` (t itself when it is there already).
@@ -223,7 +257,7 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
     lm_head = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
     grad_lm_head = Tensor::zeros({config.vocab, config.dim}, DType::f32, device);
   }
-  const nn::BlockConfig block{
+  nn::BlockConfig block{
       .norm = gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm,
       .dim = config.dim,
       .heads = config.heads,
@@ -233,19 +267,26 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
       .rope = !gpt2,
       .rope_theta = config.rope_theta,
       .norm_eps = config.norm_eps,
+      .moe = {},
   };
+  nn::MoeConfig moe;
+  moe.experts = config.experts;
+  moe.topk = config.topk;
+  moe.activation = config.experts > 0 ? config.moe_activation_kind() : moe.activation;
+  moe.aux_loss_coef = config.aux_loss_coef;
   // Linear's compute dtype outside FP8 autocast is the activation dtype. The layers' own
   // (uniform) initialization is replaced by initialize() below.
   blocks.reserve(static_cast<size_t>(config.layers));
-  for (int64_t l = 0; l < config.layers; ++l)
+  for (int64_t l = 0; l < config.layers; ++l) {
+    block.moe = config.is_moe_layer(l) ? moe : nn::MoeConfig{};
     blocks.emplace_back(block, device, mix64(seed + kGolden * (l + 1)), act, recompute);
+  }
   initialize(seed);
   if (fp8) {  // every state exists and is registered before the first step (checkpoint restore)
     for (size_t l = 0; l < blocks.size(); ++l) {
-      for (int s = 0; s < nn::kBlockLinears; ++s) {
-        nn::Linear& linear = blocks[l].linear(static_cast<LinearSlot>(s));
-        linear.ensure_fp8_state(precision.recipe);
-        registry.register_state(linear.fp8_state());
+      for (const NamedLinear& n : block_linears(blocks[l], l)) {
+        n.linear->ensure_fp8_state(precision.recipe);
+        registry.register_state(n.linear->fp8_state());
       }
     }
   }
@@ -269,12 +310,20 @@ std::vector<Entry> GPT::Impl::entries() {
   for (size_t l = 0; l < blocks.size(); ++l) {
     nn::TransformerBlock& b = blocks[l];
     const std::string prefix = "blocks." + std::to_string(l) + ".";
+    const std::vector<NamedLinear> linears = block_linears(b, l);
     add_norm(prefix + "norm1", b.norm1());
-    add_linear(module_name(l, LinearSlot::qkv), b.attn().qkv(), Init::normal);
-    add_linear(module_name(l, LinearSlot::proj), b.attn().proj(), Init::residual);
+    for (size_t i = 0; i < 2; ++i) add_linear(linears[i].name, *linears[i].linear, linears[i].init);
     add_norm(prefix + "norm2", b.norm2());
-    add_linear(module_name(l, LinearSlot::fc1), b.mlp().fc1(), Init::normal);
-    add_linear(module_name(l, LinearSlot::fc2), b.mlp().fc2(), Init::residual);
+    if (b.is_moe()) {
+      const nn::MoE& moe = b.moe();
+      out.push_back({prefix + "moe.router.weight", moe.router_weight(), moe.router_grad(), true,
+                     Init::normal});
+      if (moe.activation_bias().defined())
+        out.push_back({prefix + "moe.activation_bias", moe.activation_bias(),
+                       moe.activation_bias_grad(), false, Init::zeros});
+    }
+    for (size_t i = 2; i < linears.size(); ++i)
+      add_linear(linears[i].name, *linears[i].linear, linears[i].init);
   }
   add_norm("final_norm", final_norm);
   if (lm_head.defined()) out.push_back({"lm_head", lm_head, grad_lm_head, true, Init::normal});
@@ -382,8 +431,9 @@ std::vector<nn::LinearObserver> GPT::Impl::stats_observers() {
 void GPT::Impl::measure_gradients(bool on) {
   for (size_t l = 0; l < blocks.size(); ++l)
     for (int slot = 0; slot < nn::kBlockLinears; ++slot)
-      blocks[l].linear(static_cast<LinearSlot>(slot))
-          .measure_grad_output(on ? &stats[l][slot].grad_output : nullptr);
+      if (blocks[l].has_linear(static_cast<LinearSlot>(slot)))
+        blocks[l].linear(static_cast<LinearSlot>(slot))
+            .measure_grad_output(on ? &stats[l][slot].grad_output : nullptr);
 }
 
 GPT::GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
@@ -424,11 +474,19 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   Tensor dx = m.head_backward(dlogits, xf);
   dlogits = Tensor();
   dx = m.final_norm.backward(dx, norm_saved);
-  for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l]);
+  for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l], grad_scale);
   ops::embedding_backward(ids_d, dx, seq, m.grad_wte, m.grad_wpe);
   if (measure) m.measure_gradients(false);
   if (m.fp8) m.registry.finalize_backward();
-  return mean_loss(losses, counted);
+  // The objective is the cross-entropy plus every MoE layer's aux and z losses (whose gradients
+  // backward added with the same grad_scale).
+  float router_losses = 0.0f;
+  for (const nn::TransformerBlock& b : m.blocks) {
+    if (!b.is_moe()) continue;
+    const std::optional<nn::MoE::Load> load = b.moe().last_load();
+    router_losses += load->aux_loss + load->z_loss;
+  }
+  return mean_loss(losses, counted) + router_losses;
 }
 
 float GPT::evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq) {
@@ -486,11 +544,19 @@ std::vector<Parameter> GPT::parameters() {
 std::vector<Fp8Module> GPT::fp8_modules() const {
   std::vector<Fp8Module> out;
   if (!impl_->fp8) return out;
+  for (size_t l = 0; l < impl_->blocks.size(); ++l)
+    for (const NamedLinear& n : block_linears(impl_->blocks[l], l))
+      out.push_back({n.name, n.linear, n.linear->fp8_state()});
+  return out;
+}
+
+std::vector<MoeLayerStats> GPT::moe_layer_stats() const {
+  std::vector<MoeLayerStats> out;
   for (size_t l = 0; l < impl_->blocks.size(); ++l) {
-    for (int s = 0; s < nn::kBlockLinears; ++s) {
-      const nn::Linear& linear = impl_->blocks[l].linear(static_cast<LinearSlot>(s));
-      out.push_back({module_name(l, static_cast<LinearSlot>(s)), &linear, linear.fp8_state()});
-    }
+    const nn::TransformerBlock& b = impl_->blocks[l];
+    if (!b.is_moe()) continue;
+    if (std::optional<nn::MoE::Load> load = b.moe().last_load())
+      out.push_back({static_cast<int64_t>(l), std::move(*load)});
   }
   return out;
 }

@@ -60,6 +60,21 @@ json fp8_statistics(GPT& model) {
   return stats;
 }
 
+/// Per MoE layer ("blocks.<l>.moe"): the tokens routed to each expert, their min and max, and
+/// the aux and z losses, of the step's last microbatch.
+json moe_statistics(const GPT& model) {
+  json stats = json::object();
+  for (const MoeLayerStats& s : model.moe_layer_stats()) {
+    const auto [lo, hi] = std::minmax_element(s.load.tokens.begin(), s.load.tokens.end());
+    stats["blocks." + std::to_string(s.layer) + ".moe"] = json{{"tokens", s.load.tokens},
+                                                               {"min", *lo},
+                                                               {"max", *hi},
+                                                               {"aux_loss", s.load.aux_loss},
+                                                               {"z_loss", s.load.z_loss}};
+  }
+  return stats;
+}
+
 void check_run_shape(const TrainOptions& o, const ModelConfig& config, const Precision& p) {
   OCTET_CHECK(o.steps > 0 && o.batch > 0 && o.seq > 0 && o.accum > 0,
               "steps, batch, seq and accum must be positive, got steps ", o.steps, ", batch ",
@@ -172,6 +187,15 @@ ModelConfig resolve_model_config(const TrainOptions& o, int data_vocab) {
   if (o.dim) c.dim = o.dim;
   if (o.heads) c.heads = o.heads;
   if (o.ffn) c.ffn = o.ffn;
+  if (o.experts >= 0) c.experts = o.experts;
+  const bool moe_flags =
+      o.topk || o.moe_every || !o.moe_activation.empty() || o.aux_loss_coef >= 0;
+  OCTET_CHECK(c.experts > 0 || !moe_flags, "--topk, --act, --moe-every and --aux-loss-coef "
+              "configure mixture-of-experts layers; add --experts N (or --model moe-tiny)");
+  if (o.topk) c.topk = o.topk;
+  if (o.moe_every) c.moe_every = o.moe_every;
+  if (!o.moe_activation.empty()) c.moe_activation = o.moe_activation;
+  if (o.aux_loss_coef >= 0) c.aux_loss_coef = static_cast<float>(o.aux_loss_coef);
   if (o.vocab) {
     c.vocab = o.vocab;
   } else if (data_vocab < c.vocab) {
@@ -358,6 +382,7 @@ void train(const TrainOptions& options) {
     if (root) {
       // The statistics are rank 0's own casts (its share of the microbatches).
       if (stats) fields.emplace_back("fp8", fp8_statistics(*s.model));
+      if (config.experts > 0) fields.emplace_back("moe", moe_statistics(*s.model));
       // Evaluation reads the val split only; the replicas are identical, so rank 0's is the run's.
       if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps)
         fields.emplace_back("val_loss",

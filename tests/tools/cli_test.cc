@@ -70,5 +70,34 @@ TEST(Cli, OutOfGpuMemoryNamesTheNeedAndSuggestsASmallerBatch) {
   EXPECT_THAT(r.output, HasSubstr("--recompute"));
 }
 
+TEST(Cli, BadMixtureOfExpertsInputIsOneLine) {
+  const auto dir = testing::scratch_dir();
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --topk 5 --steps 1", dir),
+                        "--topk (5) must be in [1, --experts = 4]");
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --ffn 40 --steps 1", dir),
+                        "multiples of 16");
+  expect_one_error_line(run_octet("train --device cpu --topk 2 --steps 1", dir),
+                        "add --experts N");
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --act relu --steps 1", dir),
+                        "unknown MoE activation 'relu'");
+}
+
+TEST(Cli, ResumingAnMoeCheckpointNeedsItsExpertCount) {
+  const auto dir = testing::scratch_dir();
+  const std::string run =
+      "train --device cpu --model moe-tiny --layers 1 --dim 32 --heads 2 --ffn 32 --batch 2 "
+      "--seq 16 --out run";
+  ASSERT_EQ(run_octet(run + " --steps 1", dir).exit_code, 0);
+  const auto checkpoint = dir / "run" / "checkpoint-000001.safetensors";
+  const auto before = std::filesystem::last_write_time(checkpoint);
+  const CliResult dense = run_octet(run + " --experts 0 --steps 2 --resume run", dir);
+  expect_one_error_line(dense, "an MoE model with 4 experts");
+  EXPECT_THAT(dense.output, HasSubstr("resume with --experts 4"));
+  expect_one_error_line(run_octet(run + " --experts 8 --steps 2 --resume run", dir),
+                        "resume with --experts 4");
+  EXPECT_EQ(std::filesystem::last_write_time(checkpoint), before) << "no checkpoint touched";
+  EXPECT_FALSE(std::filesystem::exists(dir / "run" / "checkpoint-000002.safetensors"));
+}
+
 }  // namespace
 }  // namespace octet

@@ -42,8 +42,9 @@ class GroupedLinear {
   /// The seed expert g is drawn from.
   static uint64_t seed_of_expert(uint64_t seed, int64_t expert);
 
-  /// y [rows, out] (x's dtype) from x [rows, in] (f32 or bf16), rows = offsets.back(): each
-  /// expert's rows through its Linear (FP8 under fp8_autocast per the active recipe, else the
+  /// y [rows, out] (x's dtype) from x [rows, in] (f32 or bf16), rows >= offsets.back(): each
+  /// expert's rows through its Linear; rows past offsets.back() are padding (the tail of an MoE
+  /// plan's capacity) and give zero rows of y (FP8 under fp8_autocast per the active recipe, else the
   /// compute dtype). Experts without rows are skipped: they record no amax and write no gradient.
   /// x may be undefined when every expert with rows took a fused input (fused_input).
   Tensor forward(const Tensor& x, std::span<const int64_t> offsets, Saved& saved,
@@ -55,14 +56,15 @@ class GroupedLinear {
   std::optional<std::vector<ops::FusedQuantize>> fused_input(std::span<const int64_t> offsets,
                                                              DType dtype, Saved& saved,
                                                              ForwardMode mode = ForwardMode::normal);
-  /// dx [rows, in] from dy [rows, out]; accumulates every expert's grad_weight and grad_bias
+  /// dx [rows, in] from dy [rows, out] (rows >= offsets.back(); dx's padding tail is zero);
+  /// accumulates every expert's grad_weight and grad_bias
   /// (each bias gradient a fixed-order column sum of its own rows, no atomics).
   Tensor backward(const Tensor& dy, const Saved& saved);
 
   /// Linear::zero_grad / settle_grad / on_weights_updated for every expert.
   void zero_grad(ZeroGrad how = ZeroGrad::now);
   void settle_grad();
-  void on_weights_updated();
+  void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);
 
   int64_t experts() const { return static_cast<int64_t>(experts_.size()); }
   int64_t in_features() const { return in_; }

@@ -8,19 +8,16 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
+#include <optional>
 
 #include "octet/core/tensor.h"
+#include "octet/nn/block_config.h"
 #include "octet/nn/linear.h"
-#include "octet/ops/activation.h"
+#include "octet/nn/mlp.h"
+#include "octet/nn/moe.h"
 #include "octet/ops/attention.h"
 
 namespace octet::nn {
-
-enum class NormKind : uint8_t {
-  layernorm,  ///< (x - mean) * rstd * gamma + beta
-  rmsnorm,    ///< x * rstd * gamma
-};
 
 /// LayerNorm or RMSNorm over the last dimension, FP32 gamma (ones) and beta (zeros, LayerNorm).
 class Norm {
@@ -64,29 +61,6 @@ class Norm {
   bool grads_unwritten_ = false;  ///< zero_grad(ZeroGrad::on_next_write) with no backward since
 };
 
-/// The four Linear layers of a block, in registration order.
-enum class LinearSlot : uint8_t { qkv = 0, proj = 1, fc1 = 2, fc2 = 3 };
-inline constexpr int kBlockLinears = 4;
-
-/// Called during a training forward (ForwardMode::normal, not recompute or inference) with the
-/// input of each Linear of a block and the Saved that Linear just filled (e.g. to measure FP8
-/// quantization statistics).
-using LinearObserver =
-    std::function<void(LinearSlot slot, const Tensor& input, const Linear::Saved& saved)>;
-
-/// Sizes and flavour of a block.
-struct BlockConfig {
-  NormKind norm = NormKind::layernorm;
-  int64_t dim = 0;
-  int64_t heads = 0;
-  int64_t ffn = 0;  ///< MLP hidden width (per branch for SwiGLU)
-  ops::Activation activation = ops::Activation::gelu;
-  bool bias = true;   ///< biases on the four Linear layers
-  bool rope = false;  ///< rotary position embeddings on q and k
-  float rope_theta = 10000.0f;
-  float norm_eps = 1e-5f;
-};
-
 /// Causal multi-head self-attention: qkv = Linear(dim, 3 dim), optional RoPE on q and k,
 /// attention, proj = Linear(dim, dim).
 class Attention {
@@ -125,37 +99,9 @@ class Attention {
   Linear proj_;
 };
 
-/// MLP: fc1 = Linear(dim, ffn) then GELU (or Linear(dim, 2 ffn) then SwiGLU), fc2 = Linear(ffn,
-/// dim).
-class MLP {
- public:
-  struct Saved {
-    Linear::Saved fc1;
-    Tensor hidden;  ///< fc1's output: the activation's input
-    Linear::Saved fc2;
-  };
-
-  MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType compute_dtype);
-
-  /// y [rows, dim] from x [rows, dim], plus `residual` (optional, like y) added in fc2's GEMM
-  /// epilogue; recompute as Attention::forward.
-  Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal,
-                 const LinearObserver* observer = nullptr, const Tensor& residual = Tensor());
-  Tensor backward(const Tensor& dy, const Saved& saved);
-
-  Linear& fc1() { return fc1_; }
-  Linear& fc2() { return fc2_; }
-  const Linear& fc1() const { return fc1_; }
-  const Linear& fc2() const { return fc2_; }
-
- private:
-  ops::Activation activation_;
-  Linear fc1_;
-  Linear fc2_;
-};
-
-/// Pre-norm block: x = x + attn(norm1(x)); x = x + mlp(norm2(x)). Both residual adds run in the
-/// epilogue of the GEMM before them (proj's and fc2's), not as separate passes.
+/// Pre-norm block: x = x + attn(norm1(x)); x = x + mlp(norm2(x)), where mlp is a dense MLP or,
+/// when config.moe is enabled, an nn::MoE. The residual adds run in the epilogue of the GEMM
+/// before them (proj's and the dense fc2's; the MoE adds its residual after its combine).
 ///
 /// With recompute, forward keeps only the block's input and each Linear's Snapshot (the scales
 /// and weight cast in use); backward first rebuilds the full record with ForwardMode::recompute,
@@ -174,7 +120,10 @@ class TransformerBlock {
     Tensor residual;  ///< input + attention output: norm2's input
     Norm::Saved norm2;
     MLP::Saved mlp;
-    /// With recompute: each Linear's Snapshot, in LinearSlot order.
+    /// The MoE layer's record; with recompute, only its Linear layers' snapshots.
+    MoE::Saved moe;
+    /// With recompute: each Linear's Snapshot, in LinearSlot order (fc1 and fc2 empty in an MoE
+    /// block).
     std::array<Linear::Snapshot, kBlockLinears> snapshots;
   };
 
@@ -186,8 +135,9 @@ class TransformerBlock {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
                  ForwardMode mode = ForwardMode::normal, const LinearObserver* observer = nullptr);
   /// dx from dy; recomputes the forward first when the record is not complete. Accumulates every
-  /// parameter gradient and releases the record.
-  Tensor backward(const Tensor& dy, Saved& saved);
+  /// parameter gradient and releases the record. aux_loss_scale: the weight of an MoE layer's aux
+  /// and z losses in the caller's loss (MoE::backward).
+  Tensor backward(const Tensor& dy, Saved& saved, float aux_loss_scale = 1.0f);
 
   /// Zeroes every gradient, now or at its next write (ZeroGrad).
   void zero_grad(ZeroGrad how = ZeroGrad::now);
@@ -201,9 +151,16 @@ class TransformerBlock {
   Norm& norm1() { return norm1_; }
   Norm& norm2() { return norm2_; }
   Attention& attn() { return attn_; }
-  MLP& mlp() { return mlp_; }
+  /// The dense MLP (is_moe() false) or the MoE layer (is_moe() true); the other throws.
+  MLP& mlp();
+  MoE& moe();
+  const MoE& moe() const;
+  bool is_moe() const { return moe_.has_value(); }
+  /// The block's Linear in `slot`; fc1 and fc2 exist only in a dense block (throws otherwise).
   Linear& linear(LinearSlot slot);
   const Linear& linear(LinearSlot slot) const;
+  /// Whether the block has a Linear in `slot` (fc1 and fc2: only a dense block).
+  bool has_linear(LinearSlot slot) const;
 
  private:
   /// The full forward into `saved` (snapshots already in place for recompute).
@@ -215,7 +172,8 @@ class TransformerBlock {
   Norm norm1_;
   Attention attn_;
   Norm norm2_;
-  MLP mlp_;
+  std::optional<MLP> mlp_;  ///< a dense block's
+  std::optional<MoE> moe_;  ///< an MoE block's
 };
 
 }  // namespace octet::nn

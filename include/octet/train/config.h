@@ -6,6 +6,8 @@
 #include <string_view>
 #include <vector>
 
+#include "octet/ops/moe.h"
+
 namespace octet::train {
 
 enum class Arch : uint8_t {
@@ -24,9 +26,23 @@ struct ModelConfig {
   int64_t max_seq = 128;   ///< size of the position table (gpt2) / longest sequence
   float norm_eps = 1e-5f;
   float rope_theta = 10000.0f;
+  /// Mixture of experts: 0 = dense. With experts > 0, every moe_every-th block (the 1st, 2nd, ...
+  /// counted from 1: layer l when (l + 1) % moe_every == 0) has an nn::MoE of `experts` experts of
+  /// width ffn, top-k routed, instead of its MLP.
+  int64_t experts = 0;
+  int64_t topk = 2;
+  int64_t moe_every = 1;
+  std::string moe_activation = "swiglu";  ///< swiglu, geglu, srelu or gelu
+  float aux_loss_coef = 0.01f;            ///< load-balancing loss weight (0: off)
 
   int64_t head_dim() const { return dim / heads; }
   bool tied_embeddings() const { return arch == Arch::gpt2; }
+  /// moe_activation as an enum (throws on an unknown name).
+  ops::MoeActivation moe_activation_kind() const;
+  /// Whether block `layer` (0-based) is an MoE layer.
+  bool is_moe_layer(int64_t layer) const {
+    return experts > 0 && (layer + 1) % moe_every == 0;
+  }
   /// Number of trainable parameters.
   int64_t parameter_count() const;
   /// Throws octet::Error naming the offending fields (heads must divide dim, sizes positive, ...).
@@ -35,7 +51,8 @@ struct ModelConfig {
   std::string describe() const;
 };
 
-/// Presets: tiny (CPU), gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b (Llama-style, MHA).
+/// Presets: tiny (CPU), gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b (Llama-style, MHA), and the
+/// mixture-of-experts moe-tiny (CPU) and moe-16x2048 (GPU: 16 experts, top-2, hidden 2048).
 ModelConfig model_preset(std::string_view name);
 std::vector<std::string> model_preset_names();
 

@@ -13,6 +13,7 @@
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/linear.h"
+#include "octet/nn/moe.h"
 #include "octet/train/config.h"
 
 namespace octet::nn {
@@ -66,6 +67,12 @@ struct Fp8LayerStats {
   nn::CastStats input, weight, grad_output;
 };
 
+/// The routing of one MoE layer at the last training microbatch.
+struct MoeLayerStats {
+  int64_t layer = 0;  ///< the block's index
+  nn::MoE::Load load;
+};
+
 class GPT {
  public:
   /// Builds the model on `device` with weights drawn from `seed` (deterministic).
@@ -107,6 +114,9 @@ class GPT {
   void set_collect_fp8_stats(bool on);
   /// The statistics of the last microbatch that collected them, in fp8_modules() order.
   std::vector<Fp8LayerStats> fp8_layer_stats() const;
+  /// Per MoE layer, in layer order: tokens per expert and the aux and z losses of the last
+  /// training microbatch (read from the device now). Empty for a dense model.
+  std::vector<MoeLayerStats> moe_layer_stats() const;
 
   /// Zeroes every gradient; `how` applies to the blocks' Linear and norm gradients and the final
   /// norm's (nn::ZeroGrad: on_next_write skips their zeroing; call settle_grads() before reading

@@ -31,6 +31,12 @@ struct TrainOptions {
   std::string unfuse;
   std::string model;  ///< preset; default tiny on CPU, gpt2-124m on GPU
   int64_t layers = 0, dim = 0, heads = 0, ffn = 0, vocab = 0;  ///< preset overrides
+  /// Mixture-of-experts overrides of the preset (ModelConfig): experts (-1: the preset's; 0:
+  /// dense), topk and moe_every (0: the preset's), the experts' activation ("": the preset's),
+  /// the aux-loss weight (< 0: the preset's).
+  int64_t experts = -1, topk = 0, moe_every = 0;
+  std::string moe_activation;
+  double aux_loss_coef = -1;
   std::string data = "builtin";
   int64_t steps = 0;
   int64_t batch = 0;
