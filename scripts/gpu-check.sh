@@ -2,13 +2,15 @@
 # gpu-check.sh: the device machine's whole check in one call: build, the test suite, the four
 # compute-sanitizer tools over the CUDA op tests, and octet_bench; then a short summary.
 #
-#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench convergence bindings soak
+#   scripts/gpu-check.sh [STAGE...]     STAGE: build test sanitize bench convergence bindings soak moe
 #                                       (default: the first four)
 #
 # bindings: pytest with PyTorch's CUDA cases, python/bench/bench_linear.py, the README's Python
 # example as written, and `pip install ./python` (offline) with an import check (~3-4 minutes).
 # soak: OCTET_GPU_SOAK=1's guard soak over every recipe, the CUDA parity suites under SWEEP_SEEDS
 # (default 10) seeds, and the FP8 snapshot's per-step cost from `octet bench train --profile`.
+# moe: `octet bench train --model moe-16x2048` in BF16, FP8, FP8 --deterministic (speedup, the cost
+# of determinism, peak memory).
 #
 # What the GPU machine lacks travels with the call: run scripts/carry.sh here first and name
 # .carry and .corpora in the device call's carry.
@@ -373,6 +375,43 @@ stage_soak() {
 }
 
 # ------------------------------------------------------------------------------------------------
+# MoE training at the GPU preset (issue 13): `octet bench train --model moe-16x2048` in BF16, FP8
+# delayed, and FP8 delayed with --deterministic, in one call: FP8's speedup over BF16 (target
+# >= 1.4x), what determinism costs (target <= 1%) and peak memory (FP8 <= BF16). The MoE tests
+# and the grouped-GEMM / MoE kernel benchmarks are in the test and bench stages.
+stage_moe() {
+  local start rc log="$OUT/moe.log" args
+  start=$(now)
+  : >"$log"
+  if [[ ! -x "$BUILD_DIR/octet" ]]; then
+    fail moe "no $BUILD_DIR/octet (build failed?)"
+    return
+  fi
+  for args in "--precision bf16" "--precision fp8-delayed" "--precision fp8-delayed --deterministic"; do
+    echo "=== octet bench train --model moe-16x2048 $args" >>"$log"
+    # shellcheck disable=SC2086
+    timeout "${MOE_TIMEOUT:-150}" "$BUILD_DIR/octet" bench train --model moe-16x2048 $args \
+      --steps 10 --warmup-steps 3 >>"$log" 2>&1
+    rc=$?
+    [[ $rc -ne 0 ]] && fail moe "bench train $args exited $rc (moe.log)"
+  done
+  python3 - "$log" >"$STATE/moe_summary.txt" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"bench":"train"')]
+if len(runs) == 3:
+    bf16, fp8, det = runs
+    print(f"  tokens/s: bf16 {bf16['tokens_per_s']:.0f}, fp8-delayed {fp8['tokens_per_s']:.0f}, "
+          f"fp8-delayed --deterministic {det['tokens_per_s']:.0f}")
+    print(f"  fp8 / bf16 {fp8['tokens_per_s'] / bf16['tokens_per_s']:.3f}x (target >= 1.4); "
+          f"--deterministic costs {100 * (1 - det['tokens_per_s'] / fp8['tokens_per_s']):+.2f}% (target <= 1%)")
+    print(f"  peak GiB: bf16 {bf16['peak_gib']:.2f}, fp8 {fp8['peak_gib']:.2f} (target: fp8 <= bf16)")
+else:
+    print(f"  {len(runs)} of 3 runs reported (moe.log)")
+PY
+  record moe_seconds $(($(now) - start))
+}
+
+# ------------------------------------------------------------------------------------------------
 # Reads the results, tests.json and bench.json; prints the summary and records bench failures.
 summarize() {
   python3 - "$STATE" "$OUT" "$@" <<'EOF'
@@ -513,6 +552,11 @@ if "soak" in stages:
     lines.append("  " + value.get("soak_sweep", "seed sweep: not run"))
     lines.append("  snapshot: " + (value.get("soak_snapshot") or "no fp8_snapshot row"))
 
+if "moe" in stages:
+    lines.append("moe (octet bench train --model moe-16x2048):")
+    path = os.path.join(state, "moe_summary.txt")
+    lines.extend(open(path).read().rstrip("\n").split("\n") if os.path.exists(path) else ["  not run"])
+
 if "convergence" in stages:
     table = os.path.join(state, "convergence_table.txt")
     lines.append("convergence (scripts/convergence.sh gpu):")
@@ -535,9 +579,9 @@ main() {
   [[ ${#stages[@]} -eq 0 ]] && stages=(build test sanitize bench)
   for stage in "${stages[@]}"; do
     case "$stage" in
-      build | test | sanitize | bench | convergence | bindings | soak) ;;
+      build | test | sanitize | bench | convergence | bindings | soak | moe) ;;
       *)
-        echo "gpu-check: unknown stage '$stage' (build test sanitize bench convergence bindings soak)" >&2
+        echo "gpu-check: unknown stage '$stage' (build test sanitize bench convergence bindings soak moe)" >&2
         return 2
         ;;
     esac
