@@ -280,9 +280,9 @@ TEST(DistCommunicator, Bf16SumIsWithinItsRoundingBoundAndTheSameOnEveryRank) {
   ops::cast(Tensor::from_vector(in, {n}), t);
   comm->all_reduce(std::span(&t, 1), ReduceOp::sum);
   const std::vector<float> got = testing::to_floats(t);
-  // Each of the N terms is rounded to bf16 (relative 2^-9), then each of the N - 1 partial sums
-  // and the result: at most (2N - 1) roundings of at most 2^-9 of the sum of |terms|.
-  const double unit = std::ldexp(1.0, -9);
+  // Each of the N terms is rounded to bf16 (8 significant bits: unit roundoff 2^-8), then each
+  // of the N - 1 partial sums: at most (2N - 1) roundings of at most 2^-8 of the sum of |terms|.
+  const double unit = std::ldexp(1.0, -8);
   std::vector<std::vector<float>> inputs;
   for (int r = 0; r < comm->size(); ++r) inputs.push_back(input_of(r, n, seed, false));
   double worst = 0;

@@ -54,9 +54,9 @@ class DataParallel {
 
   /// The dtype of the gradient reduction: "fp32" (the default) or "bf16" (--grad-reduce-dtype).
   /// bf16 sends half the bytes; each gradient is rounded to bf16 (a relative error of up to
-  /// 2^-9) and each partial sum too, so a summed element is off by up to about
-  /// (N + 1) * 2^-9 * (sum of |terms|) for N ranks: noise of the size of bf16 compute, which
-  /// AdamW's normalized update mostly absorbs (tests/dist/data_parallel_test.cc measures it).
+  /// 2^-8) and each partial sum too, so a summed element is off by up to
+  /// (2N - 1) * 2^-8 * (sum of |terms|) for N ranks (tests/dist/communicator_test.cc): noise of
+  /// the size of bf16 compute, which AdamW's normalized update mostly absorbs.
   void set_grad_reduce_dtype(const std::string& name);
 
   /// The communicator (a SingleProcess for a world of one).

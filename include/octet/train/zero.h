@@ -8,7 +8,9 @@
 // what the unsharded step computes. An all-gather then gives every rank every updated parameter,
 // and the next forward recasts its FP8 and bf16 weight copies from them (a cast cannot be written
 // by a step that updates part of a tensor; the recast is bitwise the cast the optimizer writes
-// without ZeRO). Results therefore equal a run without ZeRO bitwise (tests/dist/zero_test.cc).
+// without ZeRO). Losses, weights and moments therefore equal a run without ZeRO bitwise
+// (tests/dist/zero_test.cc); the FP8 forward amax history records each weight amax at the next
+// forward instead of at the end of the step.
 //
 // What is sharded: the moments, 8 bytes per parameter, drop to 8/N. The FP32 parameters stay
 // whole on every rank: they are the model's weights, which the forward reads (norm gains,
