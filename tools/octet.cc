@@ -65,6 +65,13 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")
       ->capture_default_str();
+  cmd->add_option("--zero", o.zero,
+                  "ZeRO stage under mpirun: 1 shards the AdamW moments over the ranks "
+                  "(bitwise the same results)")
+      ->capture_default_str();
+  cmd->add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
+                  "dtype of the gradient all-reduce across ranks: fp32 or bf16 (half the bytes)")
+      ->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed of weights and data order")->capture_default_str();
   cmd->add_flag("--recompute", o.recompute, "recompute activations in backward (saves memory)");
   cmd->add_flag("--deterministic", o.deterministic,

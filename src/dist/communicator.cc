@@ -2,14 +2,43 @@
 // reducer over any Communicator. The MPI communicator is src/dist/mpi.cc.
 #include "octet/dist/communicator.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
 namespace octet::dist {
 
+ShardRange shard_range(int64_t total, int size, int rank) {
+  OCTET_CHECK(size >= 1 && rank >= 0 && rank < size && total >= 0, "shard_range: rank ", rank,
+              " of ", size, " over ", total, " elements");
+  const int64_t part = (total + size - 1) / size;
+  return {std::min(total, part * rank), std::min(total, part * (rank + 1))};
+}
+
+int64_t flat_count(std::span<const Tensor> tensors, const char* what, std::optional<DType> dtype) {
+  int64_t total = 0;
+  for (const Tensor& t : tensors) {
+    if (!dtype) dtype = t.dtype();
+    OCTET_CHECK(t.dtype() == *dtype, what, " takes tensors of one dtype (", dtype_name(*dtype),
+                "), got ", t.describe());
+    total += t.numel();
+  }
+  return total;
+}
+
 void SingleProcess::all_reduce(std::span<const Tensor> tensors, ReduceOp op) {
-  for (const Tensor& t : tensors)
-    OCTET_CHECK(t.dtype() == DType::f32, "all_reduce takes f32 tensors, got ", t.describe());
+  const DType dtype = tensors.empty() ? DType::f32 : tensors[0].dtype();
+  OCTET_CHECK(dtype == DType::f32 || (dtype == DType::bf16 && op == ReduceOp::sum),
+              "all_reduce takes f32 tensors (or bf16 for a sum), got ", tensors[0].describe());
+  flat_count(tensors, "all_reduce", dtype);
+}
+
+void SingleProcess::reduce_scatter(std::span<const Tensor> tensors) {
+  flat_count(tensors, "reduce_scatter", DType::f32);
+}
+
+void SingleProcess::all_gather(std::span<const Tensor> tensors) {
+  flat_count(tensors, "all_gather");
 }
 
 void SingleProcess::broadcast(std::span<const Tensor> tensors, int root) {

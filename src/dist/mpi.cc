@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "octet/dist/communicator.h"
+#include "octet/dist/watchdog.h"
+#include "octet/fp8/format.h"
 
 #if OCTET_WITH_MPI
 #include <mpi.h>
@@ -36,7 +38,7 @@ void in_chunks(char* data, int64_t count, size_t element_size, Call&& call) {
 
 void check_cpu(const Tensor& t, const char* what) {
   OCTET_CHECK(t.device().is_cpu(), "the MPI communicator's ", what,
-              " takes CPU tensors (GPU ranks need the NCCL communicator, not built yet), got ",
+              " takes CPU tensors (GPU ranks use the NCCL communicator), got ",
               t.describe());
 }
 
@@ -50,17 +52,65 @@ void nan_propagating_max(void* in, void* inout, int* count, MPI_Datatype*) {
     if (std::isnan(a[i]) || a[i] > b[i]) b[i] = a[i];
 }
 
+/// A sum of bf16 values (as MPI_UINT16_T): each partial sum is formed in f32 and rounded to bf16
+/// (round-to-nearest-even), the arithmetic of a bf16 all-reduce on the wire.
+void bf16_sum(void* in, void* inout, int* count, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *count; ++i)
+    b[i] = fp8::encode_bf16(fp8::decode_bf16(a[i]) + fp8::decode_bf16(b[i]));
+}
+
+/// The byte counts and offsets of the ranks' shards of a flat buffer, for MPI's v-collectives,
+/// in rounds of at most kMaxChunk bytes per rank (MPI counts are ints).
+template <typename Call>
+void shard_rounds(int64_t total, size_t element_size, int size, Call&& call) {
+  std::vector<ShardRange> shards(static_cast<size_t>(size));
+  int64_t longest = 0;
+  for (int r = 0; r < size; ++r) {
+    shards[r] = shard_range(total, size, r);
+    shards[r].begin *= static_cast<int64_t>(element_size);
+    shards[r].end *= static_cast<int64_t>(element_size);
+    longest = std::max(longest, shards[r].size());
+  }
+  std::vector<int> counts(static_cast<size_t>(size)), offsets(static_cast<size_t>(size));
+  for (int64_t done = 0; done < longest; done += kMaxChunk) {
+    // Offsets are relative to the lowest shard start of the round, so they fit an int too only
+    // when the buffer is smaller than 2 GiB: refuse larger buffers than that per round instead.
+    for (int r = 0; r < size; ++r) {
+      const int64_t n = std::clamp<int64_t>(shards[r].size() - done, 0, kMaxChunk);
+      const int64_t at = shards[r].begin + std::min(done, shards[r].size());
+      OCTET_CHECK(at <= kMaxChunk, "the MPI communicator gathers and scatters buffers of up to ",
+                  kMaxChunk, " bytes, got ", total * static_cast<int64_t>(element_size));
+      counts[r] = static_cast<int>(n);
+      offsets[r] = static_cast<int>(at);
+    }
+    call(counts.data(), offsets.data());
+  }
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator() {
     OCTET_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank_));
     OCTET_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &size_));
+    // A failed call returns its error (OCTET_CHECK_MPI throws) instead of MPI's default of
+    // ending the job from inside the library with its own message.
+    OCTET_CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
     OCTET_CHECK_MPI(MPI_Op_create(&nan_propagating_max, /*commute=*/1, &max_));
+    OCTET_CHECK_MPI(MPI_Op_create(&bf16_sum, /*commute=*/1, &bf16_sum_));
+    watchdog_ = std::make_unique<CollectiveWatchdog>(
+        collective_deadline(), "rank " + std::to_string(rank_) + " of " + std::to_string(size_),
+        &exit_on_expired_collective);
   }
   ~MpiCommunicator() override {
+    watchdog_.reset();
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Op_free(&max_);
+    if (!finalized) {
+      MPI_Op_free(&max_);
+      MPI_Op_free(&bf16_sum_);
+    }
   }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -69,50 +119,66 @@ class MpiCommunicator final : public Communicator {
   }
 
   void all_reduce(std::span<const Tensor> tensors, ReduceOp op) override {
-    int64_t total = 0;
-    for (const Tensor& t : tensors) {
-      OCTET_CHECK(t.dtype() == DType::f32, "all_reduce takes f32 tensors, got ", t.describe());
-      check_cpu(t, "all_reduce");
-      total += t.numel();
-    }
+    CollectiveWatchdog::Scope watched(*watchdog_, "all_reduce");
+    const DType dtype = tensors.empty() ? DType::f32 : tensors[0].dtype();
+    OCTET_CHECK(dtype == DType::f32 || (dtype == DType::bf16 && op == ReduceOp::sum),
+                "all_reduce takes f32 tensors (or bf16 for a sum), got ", tensors[0].describe());
+    const int64_t total = flat_count(tensors, "all_reduce", dtype);
+    for (const Tensor& t : tensors) check_cpu(t, "all_reduce");
     if (total == 0) return;
-    // One tensor is reduced in place; several go through one flat buffer (one collective).
-    float* data = nullptr;
-    if (tensors.size() == 1) {
-      data = tensors[0].data<float>();
-    } else {
-      flat_.resize(static_cast<size_t>(total));
-      size_t at = 0;
-      for (const Tensor& t : tensors) {
-        std::copy_n(t.data<float>(), t.numel(), flat_.data() + at);
-        at += static_cast<size_t>(t.numel());
-      }
-      data = flat_.data();
-    }
-    in_chunks(reinterpret_cast<char*>(data), total, sizeof(float), [&](char* p, int n) {
+    const size_t element = dtype_size(dtype);
+    char* data = pack(tensors, total, element);
+    const MPI_Datatype type = dtype == DType::f32 ? MPI_FLOAT : MPI_UINT16_T;
+    in_chunks(data, total, element, [&](char* p, int n) {
       if (op == ReduceOp::max) {
         // MAX is exact and order-free (NaN included, see nan_propagating_max): every rank
         // computes the same value.
-        OCTET_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, p, n, MPI_FLOAT, max_, MPI_COMM_WORLD));
+        OCTET_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, p, n, type, max_, MPI_COMM_WORLD));
       } else {
-        // A float sum depends on its order, and MPI_Allreduce may sum in a different order on
-        // each rank: reduce on rank 0 (a fixed order for a fixed world size), then broadcast,
-        // so every rank holds the same bits and the replicas never drift apart.
-        OCTET_CHECK_MPI(MPI_Reduce(rank_ == 0 ? MPI_IN_PLACE : p, rank_ == 0 ? p : nullptr, n,
-                                   MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD));
-        OCTET_CHECK_MPI(MPI_Bcast(p, n, MPI_FLOAT, 0, MPI_COMM_WORLD));
+        reduce_sum_on_root(p, n, type);
+        OCTET_CHECK_MPI(MPI_Bcast(p, n, type, 0, MPI_COMM_WORLD));
       }
     });
-    if (tensors.size() > 1) {
-      size_t at = 0;
-      for (const Tensor& t : tensors) {
-        std::copy_n(flat_.data() + at, t.numel(), t.data<float>());
-        at += static_cast<size_t>(t.numel());
-      }
-    }
+    unpack(tensors, element, 0, total);
+  }
+
+  void reduce_scatter(std::span<const Tensor> tensors) override {
+    CollectiveWatchdog::Scope watched(*watchdog_, "reduce_scatter");
+    const int64_t total = flat_count(tensors, "reduce_scatter", DType::f32);
+    for (const Tensor& t : tensors) check_cpu(t, "reduce_scatter");
+    if (total == 0) return;
+    char* data = pack(tensors, total, sizeof(float));
+    // all_reduce's sum on rank 0, then each rank's shard from there: every shard is bitwise
+    // what all_reduce gives (MPI_Reduce_scatter may sum each shard in another order on its own
+    // rank), for half all_reduce's broadcast traffic.
+    in_chunks(data, total, sizeof(float),
+              [&](char* p, int n) { reduce_sum_on_root(p, n, MPI_FLOAT); });
+    shard_rounds(total, sizeof(float), size_, [&](const int* counts, const int* offsets) {
+      char* mine = data + offsets[rank_];
+      OCTET_CHECK_MPI(MPI_Scatterv(data, counts, offsets, MPI_BYTE,
+                                   rank_ == 0 ? MPI_IN_PLACE : mine, counts[rank_], MPI_BYTE, 0,
+                                   MPI_COMM_WORLD));
+    });
+    const ShardRange mine = shard_range(total, size_, rank_);
+    unpack(tensors, sizeof(float), mine.begin, mine.end);
+  }
+
+  void all_gather(std::span<const Tensor> tensors) override {
+    CollectiveWatchdog::Scope watched(*watchdog_, "all_gather");
+    const int64_t total = flat_count(tensors, "all_gather");
+    for (const Tensor& t : tensors) check_cpu(t, "all_gather");
+    if (total == 0) return;
+    const size_t element = dtype_size(tensors[0].dtype());
+    char* data = pack(tensors, total, element);
+    shard_rounds(total, element, size_, [&](const int* counts, const int* offsets) {
+      OCTET_CHECK_MPI(MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_BYTE, data, counts, offsets, MPI_BYTE,
+                                     MPI_COMM_WORLD));
+    });
+    unpack(tensors, element, 0, total);
   }
 
   void broadcast(std::span<const Tensor> tensors, int root) override {
+    CollectiveWatchdog::Scope watched(*watchdog_, "broadcast");
     OCTET_CHECK(root >= 0 && root < size_, "broadcast root ", root, " is not a rank of ", size_);
     for (const Tensor& t : tensors) {
       check_cpu(t, "broadcast");
@@ -123,12 +189,52 @@ class MpiCommunicator final : public Communicator {
     }
   }
 
-  void barrier() override { OCTET_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD)); }
+  void barrier() override {
+    CollectiveWatchdog::Scope watched(*watchdog_, "barrier");
+    OCTET_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
+  }
 
  private:
+  /// A float sum depends on its order, and MPI_Allreduce may sum in a different order on each
+  /// rank: reduce on rank 0 (a fixed order for a fixed world size) and let the caller send the
+  /// result from there, so every rank holds the same bits and the replicas never drift apart.
+  void reduce_sum_on_root(char* p, int n, MPI_Datatype type) {
+    const MPI_Op sum = type == MPI_FLOAT ? MPI_SUM : bf16_sum_;
+    OCTET_CHECK_MPI(MPI_Reduce(rank_ == 0 ? MPI_IN_PLACE : p, rank_ == 0 ? p : nullptr, n, type,
+                               sum, 0, MPI_COMM_WORLD));
+  }
+
+  /// The flat buffer of `tensors`: the tensor itself when there is one, else flat_ filled with
+  /// their bytes in order (one collective for all of them).
+  char* pack(std::span<const Tensor> tensors, int64_t total, size_t element) {
+    if (tensors.size() == 1) return static_cast<char*>(tensors[0].raw_data());
+    flat_.resize(static_cast<size_t>(total) * element);
+    size_t at = 0;
+    for (const Tensor& t : tensors) {
+      std::copy_n(static_cast<const char*>(t.raw_data()), t.nbytes(), flat_.data() + at);
+      at += t.nbytes();
+    }
+    return flat_.data();
+  }
+
+  /// Copies elements [begin, end) of the flat buffer back into `tensors` (nothing to do when
+  /// the buffer was the one tensor itself).
+  void unpack(std::span<const Tensor> tensors, size_t element, int64_t begin, int64_t end) {
+    if (tensors.size() == 1) return;
+    int64_t at = 0;  // the flat index where the tensor starts
+    for (const Tensor& t : tensors) {
+      const int64_t from = std::max(begin, at), to = std::min(end, at + t.numel());
+      if (from < to)
+        std::copy_n(flat_.data() + from * element, (to - from) * element,
+                    static_cast<char*>(t.raw_data()) + (from - at) * element);
+      at += t.numel();
+    }
+  }
+
   int rank_ = 0, size_ = 1;
-  MPI_Op max_ = MPI_OP_NULL;
-  std::vector<float> flat_;
+  MPI_Op max_ = MPI_OP_NULL, bf16_sum_ = MPI_OP_NULL;
+  std::vector<char> flat_;
+  std::unique_ptr<CollectiveWatchdog> watchdog_;
 };
 
 std::mutex world_mutex;

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "octet/core/hash.h"
+#include "octet/ops/quantize.h"
 
 namespace octet::train {
 
@@ -20,20 +21,29 @@ uint64_t options_fingerprint(const TrainOptions& o) {
        << o.recompute << sep << o.deterministic << sep << o.out << sep << o.save_every << sep
        << o.keep << sep << o.resume << sep << o.eval_every << sep << o.eval_batches << sep
        << o.fp8_stats_every << sep << o.log_every << sep << o.max_skips << sep << o.guard << sep
-       << o.guard_skip << sep << o.guard_z << sep << o.guard_warmup << sep << o.inject;
+       << o.guard_skip << sep << o.guard_z << sep << o.guard_warmup << sep << o.inject << sep
+       << o.zero << sep << o.grad_reduce_dtype;
   return fnv1a(text.str());
 }
 
 DataParallel::DataParallel(std::shared_ptr<dist::Communicator> comm) : comm_(std::move(comm)) {
-  if (comm_) {
-    rank_ = comm_->rank();
-    size_ = comm_->size();
-  }
+  if (!comm_) comm_ = std::make_shared<dist::SingleProcess>();
+  rank_ = comm_->rank();
+  size_ = comm_->size();
   loss_ = Tensor::zeros({1}, DType::f32);
   skip_ = Tensor::zeros({1}, DType::f32);
 }
 
 void DataParallel::check_run(const TrainOptions& o) const {
+  // Checks of values alone come first: every rank reaches the same verdict without a collective.
+  if (o.zero != 0 && o.zero != 1)
+    throw dist::CollectiveError(__FILE__, __LINE__,
+                                "--zero takes 0 (no sharding) or 1 (AdamW moments sharded over "
+                                "the ranks), got " + std::to_string(o.zero));
+  if (o.grad_reduce_dtype != "fp32" && o.grad_reduce_dtype != "bf16")
+    throw dist::CollectiveError(__FILE__, __LINE__,
+                                "--grad-reduce-dtype takes fp32 or bf16, got '" +
+                                    o.grad_reduce_dtype + "'");
   if (!active()) return;
   // Rank 0's fingerprint to everyone, then every rank's verdict to everyone: a rank whose
   // options differ knows it, and the MAX (of rank + 1 where they differ) tells the others which,
@@ -64,8 +74,36 @@ void DataParallel::check_run(const TrainOptions& o) const {
                                 "sees only its own microbatches' gradients): run without it");
 }
 
+void DataParallel::set_grad_reduce_dtype(const std::string& name) {
+  OCTET_CHECK(name == "fp32" || name == "bf16", "--grad-reduce-dtype takes fp32 or bf16, got '",
+              name, "'");
+  grad_reduce_dtype_ = name == "bf16" ? DType::bf16 : DType::f32;
+}
+
 double DataParallel::reduce_gradients(std::span<const Tensor> grads, double loss) {
   if (!active()) return loss;
+  if (grad_reduce_dtype_ == DType::bf16) {
+    // Each gradient rounded to bf16 into one flat buffer on its device, summed in bf16 (rank 0's
+    // order), widened back: every rank gets the same bits. The loss goes in f32 on its own.
+    int64_t total = 0;
+    for (const Tensor& g : grads) total += g.numel();
+    if (!grads.empty() && (bf16_flat_.numel() != total || bf16_flat_.device() != grads[0].device()))
+      bf16_flat_ = Tensor::empty({total}, DType::bf16, grads[0].device());
+    int64_t at = 0;
+    for (const Tensor& g : grads) {
+      ops::cast(g, bf16_flat_.slice(at, at + g.numel()).view(g.shape()));
+      at += g.numel();
+    }
+    comm_->all_reduce(std::span(&bf16_flat_, 1), dist::ReduceOp::sum);
+    at = 0;
+    for (const Tensor& g : grads) {
+      ops::cast(bf16_flat_.slice(at, at + g.numel()).view(g.shape()), g);
+      at += g.numel();
+    }
+    *loss_.data<float>() = static_cast<float>(loss);
+    comm_->all_reduce(std::span(&loss_, 1), dist::ReduceOp::sum);
+    return static_cast<double>(*loss_.data<float>());
+  }
   // The loss rides at the end of the gradients' buffer: one collective per step.
   *loss_.data<float>() = static_cast<float>(loss);
   std::vector<Tensor> tensors(grads.begin(), grads.end());

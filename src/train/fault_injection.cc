@@ -1,9 +1,13 @@
 #include "octet/train/fault_injection.h"
 
 #include <charconv>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <string_view>
+#include <thread>
 
 #include "octet/core/error.h"
 #include "octet/nn/transformer.h"
@@ -43,6 +47,10 @@ Fault parse_fault(std::string_view spec) {
     f.kind = Fault::Kind::amax;
   else if (kind == "spike-grad")
     f.kind = Fault::Kind::spike;
+  else if (kind == "exit")
+    f.kind = Fault::Kind::exit;
+  else if (kind == "hang")
+    f.kind = Fault::Kind::hang;
   else
     bad("unknown kind");
   f.value = kind.starts_with("nan") ? kNaN : kind.starts_with("inf") ? kInf : kSpikeFactor;
@@ -129,6 +137,15 @@ void FaultInjector::before_microbatch(int64_t step, int64_t micro) {
         if (m.name == qkv) set_first_element(m.state->amax_slot(fp8::TensorRole::input), f.value);
     }
     if (f.kind == Fault::Kind::activation) activations.push_back(&f);
+    if (f.kind == Fault::Kind::exit || f.kind == Fault::Kind::hang) {
+      std::fprintf(stderr, "octet: injected fault: this process %s at step %lld, microbatch %lld\n",
+                   f.kind == Fault::Kind::exit ? "exits" : "hangs", (long long)step,
+                   (long long)micro);
+      std::fflush(stderr);
+      // No destructors, no MPI_Finalize: a rank that died, as far as the others can tell.
+      if (f.kind == Fault::Kind::exit) std::_Exit(kInjectedExitStatus);
+      while (true) std::this_thread::sleep_for(std::chrono::hours(1));
+    }
   }
   if (activations.empty()) {
     model_.set_activation_hook(nullptr);

@@ -27,6 +27,7 @@
 #include "octet/train/schedule.h"
 #include "octet/train/step_checks.h"
 #include "octet/train/train_step.h"
+#include "octet/train/zero.h"
 
 namespace octet::train {
 namespace {
@@ -140,6 +141,19 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
     return r;
   }
 
+  ops::AdamWArgs args;
+  args.lr = static_cast<float>(r.lr);
+  args.beta1 = kBeta1;
+  args.beta2 = kBeta2;
+  args.eps = kAdamEps;
+  args.step = step;
+  args.max_grad_norm = static_cast<float>(o.grad_clip);
+  if (s.zero) {
+    // Each rank updates its shard and gathers the rest; the next forward recasts the weights.
+    s.zero->step(s, checks.norm_sq(), args);
+    s.model->on_weights_updated(nn::PreparedCast::dropped);
+    return r;
+  }
   if (s.adamw.empty()) {
     for (size_t i = 0; i < s.params.size(); ++i) {
       const float decay = s.params[i].weight_decay ? static_cast<float>(o.weight_decay) : 0.0f;
@@ -155,13 +169,6 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
     s.adamw[i].cast = casts[i].cast;
     s.adamw[i].bf16_copy = casts[i].bf16_copy;
   }
-  ops::AdamWArgs args;
-  args.lr = static_cast<float>(r.lr);
-  args.beta1 = kBeta1;
-  args.beta2 = kBeta2;
-  args.eps = kAdamEps;
-  args.step = step;
-  args.max_grad_norm = static_cast<float>(o.grad_clip);
   ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), checks.norm_sq(), args);
   s.model->on_weights_updated(nn::PreparedCast::written);
   return r;
@@ -289,9 +296,13 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
 }
 
 void train(const TrainOptions& options) {
-  DataParallel dp(dist::from_environment());
+  // The rank's device picks the communicator: NCCL for GPU ranks, MPI for CPU ranks.
+  TrainOptions placed = options;
+  placed.device = dist::device_for_this_rank(resolve_defaults(options).device).str();
+  DataParallel dp(dist::from_environment(Device::parse(placed.device)));
   dp.check_run(options);  // the same options everywhere, before anything reads them
-  RunSetup run = prepare_run(options);
+  dp.set_grad_reduce_dtype(options.grad_reduce_dtype);
+  RunSetup run = prepare_run(placed);
   auto& [o, device, precision, data, config, unfused] = run;
   const nn::UnfusedScope unfused_scope(unfused);
   const bool root = dp.is_root();  // rank 0 prints, writes metrics, plots and checkpoints
@@ -309,6 +320,8 @@ void train(const TrainOptions& options) {
     OCTET_CHECK(s.step < o.steps, "checkpoint ", resumed_from, " is at step ", s.step,
                 ", nothing to do for --steps ", o.steps);
   }
+  // After the restore: each rank keeps its shard of the (possibly resumed) moments.
+  if (o.zero == 1) s.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), s, o.weight_decay);
 
   if (root) {
     std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
@@ -317,6 +330,11 @@ void train(const TrainOptions& options) {
     if (dp.active())
       std::printf("  data parallel: world size %d (%s), %lld microbatch(es) per rank per step\n",
                   dp.size(), dp.describe().c_str(), (long long)(o.accum / dp.size()));
+    if (s.zero || o.grad_reduce_dtype != "fp32")
+      std::printf("  zero %lld (AdamW moments per rank: %.1f MB), gradient reduction in %s\n",
+                  (long long)o.zero,
+                  (s.zero ? s.zero->moment_bytes() : 8 * config.parameter_count()) / 1e6,
+                  o.grad_reduce_dtype.c_str());
     if (nn::disabled_fusions() != "none")
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                   nn::disabled_fusions().c_str());
@@ -348,9 +366,13 @@ void train(const TrainOptions& options) {
   fs::path checkpoint_path;
   int64_t saved_step = -1;
   auto save = [&] {
+    // Under ZeRO every rank takes part in gathering the whole moments, so the file is the one a
+    // run without ZeRO writes, and resumes with or without it, on any number of ranks.
+    if (s.zero) s.zero->gather_moments(s);
     if (root)
       checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
                                         run_metadata(o, config, precision, *data, s.step), o.keep);
+    if (s.zero) s.zero->release_moments(s);
     saved_step = s.step;
   };
   auto intact_checkpoint = [&]() -> std::string {

@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "octet/ops/quantize.h"
 #include "octet/train/data_parallel.h"
 #include "test_util.h"
 #include "world_seed.h"
@@ -214,10 +215,95 @@ TEST(DistAmaxReducer, ReducesEveryRowByMaxInRegistrationOrder) {
   }
 }
 
+TEST(DistCommunicator, ShardRangesSplitEvenlyAndCoverTheBufferOnce) {
+  for (const auto& [total, size] : {std::pair<int64_t, int>{10, 3}, {2, 4}, {0, 2}, {2333, 1}}) {
+    int64_t next = 0;
+    for (int r = 0; r < size; ++r) {
+      const ShardRange shard = shard_range(total, size, r);
+      EXPECT_EQ(shard.begin, next) << total << " over " << size << ", rank " << r;
+      EXPECT_LE(shard.size(), (total + size - 1) / size);
+      next = shard.end;
+    }
+    EXPECT_EQ(next, total);
+  }
+}
+
+TEST(DistCommunicator, ReduceScatterLeavesEachShardBitwiseAsAllReduceDoes) {
+  REQUIRE_RANKS();
+  auto comm = world();
+  const std::vector<int64_t> sizes{7, 1481, 1, 33};  // shard edges fall inside tensors
+  const int64_t n = 7 + 1481 + 1 + 33;
+  const uint64_t seed = testing::world_seed(*comm);
+  std::vector<Tensor> reduced = split(input_of(comm->rank(), n, seed, false), sizes);
+  std::vector<Tensor> scattered = split(input_of(comm->rank(), n, seed, false), sizes);
+  comm->all_reduce(reduced, ReduceOp::sum);
+  comm->reduce_scatter(scattered);
+  const ShardRange mine = shard_range(n, comm->size(), comm->rank());
+  const std::vector<float> want = joined(reduced), got = joined(scattered);
+  for (int64_t i = mine.begin; i < mine.end; ++i)
+    ASSERT_EQ(std::memcmp(&got[i], &want[i], sizeof(float)), 0) << "element " << i;
+}
+
+TEST(DistCommunicator, AllGatherGivesEveryRankEveryShard) {
+  REQUIRE_RANKS();
+  auto comm = world();
+  const std::vector<int64_t> sizes{1481, 5, 677};
+  const int64_t n = 1481 + 5 + 677;
+  const uint64_t seed = testing::world_seed(*comm);
+  // The whole buffer as every rank must end with it; before the gather each rank holds only its
+  // shard, and its own (different) values elsewhere.
+  const std::vector<float> whole = input_of(comm->size(), n, seed, false);
+  std::vector<float> mine = input_of(comm->rank(), n, seed, false);
+  const ShardRange shard = shard_range(n, comm->size(), comm->rank());
+  std::copy(whole.begin() + shard.begin, whole.begin() + shard.end, mine.begin() + shard.begin);
+  std::vector<Tensor> tensors = split(mine, sizes);
+  comm->all_gather(tensors);
+  EXPECT_EQ(joined(tensors), whole);
+  // Any dtype: bytes move, nothing is converted.
+  Tensor ints = Tensor::empty({5}, DType::i64);
+  for (int i = 0; i < 5; ++i) ints.data<int64_t>()[i] = 1000 * comm->rank() + i;
+  comm->all_gather(std::span(&ints, 1));
+  for (int i = 0; i < 5; ++i) {
+    int owner = 0;
+    while (shard_range(5, comm->size(), owner).end <= i) ++owner;
+    EXPECT_EQ(ints.data<int64_t>()[i], 1000 * owner + i) << "element " << i;
+  }
+}
+
+TEST(DistCommunicator, Bf16SumIsWithinItsRoundingBoundAndTheSameOnEveryRank) {
+  REQUIRE_RANKS();
+  auto comm = world();
+  const int64_t n = 2333;
+  const uint64_t seed = testing::world_seed(*comm);
+  const std::vector<float> in = input_of(comm->rank(), n, seed, false);
+  Tensor t = Tensor::empty({n}, DType::bf16);
+  ops::cast(Tensor::from_vector(in, {n}), t);
+  comm->all_reduce(std::span(&t, 1), ReduceOp::sum);
+  const std::vector<float> got = testing::to_floats(t);
+  // Each of the N terms is rounded to bf16 (8 significant bits: unit roundoff 2^-8), then each
+  // of the N - 1 partial sums: at most (2N - 1) roundings of at most 2^-8 of the sum of |terms|.
+  const double unit = std::ldexp(1.0, -8);
+  std::vector<std::vector<float>> inputs;
+  for (int r = 0; r < comm->size(); ++r) inputs.push_back(input_of(r, n, seed, false));
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double exact = 0, magnitude = 0;
+    for (const std::vector<float>& terms : inputs) {
+      exact += terms[i];
+      magnitude += std::abs(terms[i]);
+    }
+    worst = std::max(worst, std::abs(got[i] - exact) / magnitude);
+    ASSERT_LE(std::abs(got[i] - exact), (2 * comm->size() - 1) * unit * magnitude)
+        << "element " << i;
+  }
+  if (comm->rank() == 0) std::printf("bf16 sum: worst error %.3g of the sum of |terms|\n", worst);
+  EXPECT_TRUE(same_on_every_rank(*comm, got)) << "a sum must not differ between replicas";
+}
+
 TEST(DistDataParallel, OptionsFingerprintSeesEveryField) {
   train::TrainOptions a, b;
   EXPECT_EQ(train::options_fingerprint(a), train::options_fingerprint(b));
-  b.inject = "nan-grad@5";  // the last field
+  b.grad_reduce_dtype = "bf16";  // the last field
   EXPECT_NE(train::options_fingerprint(a), train::options_fingerprint(b));
   b = a;
   b.device = "cuda";  // the first

@@ -8,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "octet/core/hash.h"
+#include "dp_run.h"
 #include "octet/dist/communicator.h"
 #include "octet/train/train_step.h"
 #include "test_util.h"
@@ -16,90 +16,6 @@
 
 namespace octet::train {
 namespace {
-
-constexpr int64_t kSteps = 4;
-constexpr int64_t kMicrobatchesPerRank = 2;
-
-/// The tiny model's options for `world_size` ranks, drawing weights and data from `seed`.
-TrainOptions tiny_options(const std::string& precision, int world_size, uint64_t seed) {
-  TrainOptions o;
-  o.device = "cpu";
-  o.precision = precision;
-  o.model = "tiny";
-  o.layers = 2;
-  o.dim = 32;
-  o.heads = 2;
-  o.ffn = 64;
-  o.steps = kSteps;
-  o.batch = 2;
-  o.seq = 16;  // batch*seq = 32, a multiple of the FP8 GEMMs' 16
-  o.accum = kMicrobatchesPerRank * world_size;
-  o.lr = 3e-3;
-  o.warmup = 2;
-  o.seed = seed;
-  return resolve_defaults(o);
-}
-
-struct TrainedRun {
-  std::vector<double> losses;
-  std::vector<std::pair<std::string, Tensor>> tensors;  ///< checkpoint_tensors: all state
-  TrainState state;                                     ///< keeps the tensors' model alive
-};
-
-/// kSteps steps of `o` on `dp`'s world (a single process when dp is inactive).
-TrainedRun train_run(const TrainOptions& o, DataParallel& dp) {
-  TrainedRun run;
-  auto data = make_token_source("builtin", o.seed);
-  const ModelConfig config = resolve_model_config(o, data->vocab_size());
-  const Precision precision = Precision::from_name(o.precision);
-  run.state = make_train_state(config, precision, Device::cpu(), o.seed, false, dp.amax_reducer());
-  StepChecks checks(*run.state.model, run.state.params, o);
-  for (int64_t i = 0; i < o.steps; ++i) {
-    const StepResult r = train_step(run.state, *data, o, checks, dp);
-    EXPECT_FALSE(r.verdict.skipped()) << "step " << i + 1;
-    run.losses.push_back(r.loss);
-  }
-  run.tensors = checkpoint_tensors(run.state);
-  return run;
-}
-
-bool is_fp8_state(const std::string& name) { return name.rfind("fp8.", 0) == 0; }
-
-/// FNV-1a of the bytes of the FP8 state's tensors (`fp8`) or of all the others, in checkpoint
-/// order.
-uint64_t hash_of(const std::vector<std::pair<std::string, Tensor>>& tensors, bool fp8) {
-  uint64_t h = kFnv1aBasis;
-  for (const auto& [name, t] : tensors)
-    if (is_fp8_state(name) == fp8) h = fnv1a(t.raw_data(), t.nbytes(), h);
-  return h;
-}
-
-/// Whether `value` is the same on every rank of `comm`.
-bool same_on_every_rank(dist::Communicator& comm, uint64_t value) {
-  Tensor root = Tensor::empty({1}, DType::i64);
-  *root.data<int64_t>() = static_cast<int64_t>(value);
-  comm.broadcast(std::span(&root, 1), 0);
-  Tensor differs =
-      Tensor::from_vector({static_cast<uint64_t>(*root.data<int64_t>()) == value ? 0.f : 1.f}, {1});
-  comm.all_reduce(std::span(&differs, 1), dist::ReduceOp::max);
-  return testing::to_floats(differs)[0] == 0.0f;
-}
-
-/// Every parameter ("param." tensors) of a run, joined in checkpoint order.
-std::vector<float> all_params(const TrainedRun& run) {
-  std::vector<float> out;
-  for (const auto& [name, t] : run.tensors) {
-    if (name.rfind("param.", 0) != 0) continue;
-    const std::vector<float> values = testing::to_floats(t);
-    out.insert(out.end(), values.begin(), values.end());
-  }
-  return out;
-}
-
-/// ||a - b|| / ||b|| over every parameter together.
-double param_relative_l2(const TrainedRun& a, const TrainedRun& b) {
-  return testing::relative_l2(all_params(a), all_params(b));
-}
 
 struct Tolerance {
   double loss;    ///< relative, per step

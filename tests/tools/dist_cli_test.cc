@@ -4,6 +4,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -110,6 +111,76 @@ TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
   // tests/dist/data_parallel_test.cc's fp8-delayed loss tolerance.
   expect_losses_near(dir / "split" / "metrics.jsonl", dir / "whole" / "metrics.jsonl", 6, 4, 5e-4);
+}
+
+TEST(DistCli, AZeroRunsCheckpointResumesWithoutZeroAndOneProcessesResumesOnTwoRanks) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const std::string args = std::string(kTiny) + " --precision bf16 --accum 2";
+  const std::string six = args.substr(0, args.find("--steps 3")) + "--steps 6" +
+                          args.substr(args.find("--steps 3") + 9);
+  ASSERT_EQ(run(on_two_ranks(six + " --out whole"), dir).exit_code, 0);
+  // ZeRO-1 is bitwise the run without it, and its checkpoint holds the whole moments.
+  const Result zero = run(on_two_ranks(args + " --zero 1 --out zero"), dir);
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  EXPECT_THAT(zero.output, HasSubstr("zero 1 (AdamW moments per rank:"));
+  ASSERT_EQ(run(on_two_ranks(args + " --out plain"), dir).exit_code, 0);
+  testing::expect_same_tensors(dir / "zero" / "checkpoint-000003.safetensors",
+                               dir / "plain" / "checkpoint-000003.safetensors");
+  // 2 ranks (ZeRO) -> 1 process without ZeRO; 1 process -> 2 ranks with ZeRO.
+  const Result one =
+      run(octet(six + " --out zero --resume zero/checkpoint-000003.safetensors"), dir);
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  expect_losses_near(dir / "zero" / "metrics.jsonl", dir / "whole" / "metrics.jsonl", 6, 4, 1e-5);
+  ASSERT_EQ(run(octet(args + " --out single"), dir).exit_code, 0);
+  const Result two = run(on_two_ranks(six + " --zero 1 --out single --resume single"), dir);
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  expect_losses_near(dir / "single" / "metrics.jsonl", dir / "whole" / "metrics.jsonl", 6, 4,
+                     1e-5);
+}
+
+TEST(DistCli, Bf16GradientReductionTrainsCloseToFp32) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const std::string args = std::string(kTiny) + " --precision bf16 --accum 2";
+  ASSERT_EQ(run(on_two_ranks(args + " --out f32"), dir).exit_code, 0);
+  const Result bf16 = run(on_two_ranks(args + " --grad-reduce-dtype bf16 --out bf16"), dir);
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.output;
+  // Step 1's loss is computed before any reduction: the same. Later steps see gradients off by
+  // up to 3 * 2^-8 of their magnitude (communicator_test.cc's bound for 2 ranks), which AdamW's
+  // normalized update turns into weight changes of a small fraction of lr per step: 1e-3.
+  expect_losses_near(dir / "bf16" / "metrics.jsonl", dir / "f32" / "metrics.jsonl", 3, 1, 1e-3);
+  const Result bad = run(on_two_ranks(args + " --grad-reduce-dtype fp16 --out x"), dir);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_EQ(count(bad.output, "--grad-reduce-dtype takes fp32 or bf16, got 'fp16'"), 2u)
+      << bad.output;
+}
+
+TEST(DistCli, ARankThatDiesOrHangsMidRunEndsTheOthersWithAnError) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  // Rank 1 owns microbatch 1 of each step (--accum 2): it exits, or hangs, at step 2. Rank 0
+  // then waits in the step's gradient reduction until mpirun ends it (a rank that exited) or its
+  // watchdog's deadline of 3 s passes (a rank that hangs).
+  for (const std::string fault : {"exit", "hang"}) {
+    SCOPED_TRACE(fault);
+    const auto start = std::chrono::steady_clock::now();
+    const Result r = run(std::string("env OCTET_COLLECTIVE_TIMEOUT_S=3 ") +
+                             on_two_ranks(std::string(kTiny) + " --accum 2 --inject " + fault +
+                                          "@2:1 --out " + fault),
+                         dir);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
+    EXPECT_LT(seconds, 60) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("injected fault: this process " + fault +
+                                    "s at step 2, microbatch 1"));
+    if (fault == "hang")
+      EXPECT_THAT(r.output, HasSubstr("octet: error: rank 0 of 2: the collective all_reduce did "
+                                      "not complete within 3 s"));
+    EXPECT_FALSE(fs::exists(dir / fault / "checkpoint-000003.safetensors"));
+  }
 }
 
 TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {

@@ -22,6 +22,8 @@ class FakeRank final : public dist::Communicator {
   int size() const override { return size_; }
   std::string describe() const override { return "fake"; }
   void all_reduce(std::span<const Tensor>, dist::ReduceOp) override {}
+  void reduce_scatter(std::span<const Tensor>) override {}
+  void all_gather(std::span<const Tensor>) override {}
   void broadcast(std::span<const Tensor>, int) override {}
   void barrier() override {}
 

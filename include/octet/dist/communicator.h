@@ -1,10 +1,11 @@
 // The dist layer: a Communicator over the processes of a data-parallel run, and the FP8 amax
-// reduction over it. MPI serves CPU ranks; an NCCL communicator for GPU ranks implements the same
-// interface (not built yet). Nothing below this layer knows it exists: nn sees an AmaxReducer.
+// reduction over it. MPI serves CPU ranks, NCCL GPU ranks (nccl.h). Nothing below this layer
+// knows it exists: nn sees an AmaxReducer.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 
@@ -16,6 +17,14 @@ namespace octet::dist {
 
 /// The element-wise reductions of all_reduce.
 enum class ReduceOp : uint8_t { sum, max };
+
+/// Rank `rank`'s part [begin, end) of a flat buffer of `total` elements split over `size` ranks
+/// (ZeRO's shards): equal parts of ceil(total / size) elements, the last ones shorter or empty.
+struct ShardRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+ShardRange shard_range(int64_t total, int size, int rank);
 
 /// An error that every rank raised at the same point, after agreeing on it through a collective
 /// (mismatched options, a world size that does not divide the accumulation). A process that
@@ -36,10 +45,18 @@ class Communicator {
   virtual int size() const = 0;
   /// "mpi, 2 ranks"; "single process".
   virtual std::string describe() const = 0;
-  /// Reduces f32 `tensors`, treated as one flat buffer in the given order, element-wise over the
+  /// Reduces `tensors`, treated as one flat buffer in the given order, element-wise over the
   /// group, in place. Every rank ends with bitwise the same values (a sum is reduced on one rank
-  /// in a fixed order and broadcast, not summed independently on each).
+  /// in a fixed order and broadcast, not summed independently on each). f32 for both ops; bf16
+  /// for sums (each partial sum rounded to bf16: half the bytes of f32, see data_parallel.h).
   virtual void all_reduce(std::span<const Tensor> tensors, ReduceOp op) = 0;
+  /// Sums f32 `tensors` (one flat buffer, as all_reduce) over the group, leaving this rank's
+  /// shard_range(total, size(), rank()) of the buffer bitwise equal to what all_reduce(sum)
+  /// leaves there; the rest of the buffer is unspecified afterwards.
+  virtual void reduce_scatter(std::span<const Tensor> tensors) = 0;
+  /// The inverse: every rank's shard_range of the flat buffer of `tensors` (one dtype, any) is
+  /// copied into the same range on every other rank, so all end with the whole buffer.
+  virtual void all_gather(std::span<const Tensor> tensors) = 0;
   /// Copies the bytes of `tensors` (any dtype) on rank `root` into the same tensors on the others.
   virtual void broadcast(std::span<const Tensor> tensors, int root = 0) = 0;
   /// Returns when every rank has called it.
@@ -53,9 +70,16 @@ class SingleProcess final : public Communicator {
   int size() const override { return 1; }
   std::string describe() const override { return "single process"; }
   void all_reduce(std::span<const Tensor> tensors, ReduceOp op) override;
+  void reduce_scatter(std::span<const Tensor> tensors) override;
+  void all_gather(std::span<const Tensor> tensors) override;
   void broadcast(std::span<const Tensor> tensors, int root = 0) override;
   void barrier() override {}
 };
+
+/// The element count of `tensors` as one flat buffer; throws unless they share `dtype` (when
+/// given) or, without it, one dtype among them. `what` names the collective in the message.
+int64_t flat_count(std::span<const Tensor> tensors, const char* what,
+                   std::optional<DType> dtype = std::nullopt);
 
 /// True when this build has the MPI communicator (OCTET_WITH_MPI).
 bool built_with_mpi();
@@ -67,8 +91,15 @@ int launcher_world_size();
 /// The world this process runs in: MPI_COMM_WORLD when launched by mpirun with more than one
 /// process (or when MPI is already initialized with more than one), else a SingleProcess. The MPI
 /// communicator is one per process (MPI initializes once): every call returns the same one.
-/// Throws when launched with several processes by a build without MPI.
+/// With `device` a CUDA device and more than one rank (mpirun, or torchrun's RANK/WORLD_SIZE),
+/// the NCCL communicator on that device instead (nccl.h; MPI or a TCP socket shares its id).
+/// Throws when launched with several processes by a build without MPI (or NCCL, for CUDA).
 std::shared_ptr<Communicator> from_environment();
+std::shared_ptr<Communicator> from_environment(const Device& device);
+
+/// The device `device` ("cpu", "cuda", "cuda:N") names for this rank: plain "cuda" in a launch of
+/// several ranks is the GPU of this rank's local rank (bootstrap.h: launcher_local_rank()).
+Device device_for_this_rank(const std::string& device);
 
 /// Ends MPI if this process started it: `clean` calls MPI_Finalize (every rank must reach it);
 /// otherwise MPI_Abort ends every rank (one rank failed alone: the others may wait in a

@@ -22,6 +22,8 @@
 
 namespace octet::train {
 
+class ZeroOptimizer;
+
 /// Model, optimizer moments and where training stands: what a checkpoint holds.
 struct TrainState {
   std::unique_ptr<GPT> model;
@@ -31,6 +33,9 @@ struct TrainState {
   /// params and moments as the multi-tensor AdamW step takes them; built by the first step (not
   /// checkpointed: restoring copies into the same tensors, so the table stays valid).
   std::vector<ops::AdamWTensor> adamw;
+  /// ZeRO-1 (zero.h): set when the moments are sharded over the ranks; adam_m / adam_v are then
+  /// undefined except while a checkpoint is gathered.
+  std::shared_ptr<ZeroOptimizer> zero;
 };
 
 /// Model and zeroed AdamW moments on `device`; `amax_reducer` goes to the model's registry.

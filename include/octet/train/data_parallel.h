@@ -52,9 +52,19 @@ class DataParallel {
     return micro / per_rank == rank_;
   }
 
-  /// Sums the gradients (FP32, in the given order: parameters()' order) and `loss` (this rank's
-  /// sum of its microbatches' losses) over the ranks; every rank ends with the same gradients.
-  /// Returns the sum of the losses over every rank.
+  /// The dtype of the gradient reduction: "fp32" (the default) or "bf16" (--grad-reduce-dtype).
+  /// bf16 sends half the bytes; each gradient is rounded to bf16 (a relative error of up to
+  /// 2^-8) and each partial sum too, so a summed element is off by up to
+  /// (2N - 1) * 2^-8 * (sum of |terms|) for N ranks (tests/dist/communicator_test.cc): noise of
+  /// the size of bf16 compute, which AdamW's normalized update mostly absorbs.
+  void set_grad_reduce_dtype(const std::string& name);
+
+  /// The communicator (a SingleProcess for a world of one).
+  const std::shared_ptr<dist::Communicator>& communicator() const { return comm_; }
+
+  /// Sums the gradients (FP32 tensors, in the given order: parameters()' order) and `loss` (this
+  /// rank's sum of its microbatches' losses) over the ranks, in the grad-reduce dtype; every rank
+  /// ends with the same gradients. Returns the sum of the losses over every rank.
   double reduce_gradients(std::span<const Tensor> grads, double loss);
 
   /// Makes every rank take the same decision on a step: the verdict with the highest
@@ -68,6 +78,8 @@ class DataParallel {
   std::shared_ptr<dist::Communicator> comm_;
   int rank_ = 0, size_ = 1;
   Tensor loss_, skip_;  ///< f32[1] host buffers of the step's reductions
+  DType grad_reduce_dtype_ = DType::f32;
+  Tensor bf16_flat_;  ///< the bf16 gradients of one reduction, on the gradients' device
 };
 
 /// A hash of every field of `options` (FNV-1a over their text), equal on every rank that was

@@ -12,6 +12,10 @@
 //                                               (its cast raises the amax, and NaN/Inf win)
 //               spike-grad                      every gradient of block LAYER times 1e4, after
 //                                               the microbatch's backward
+//               exit, hang                      the process that runs MICROBATCH (under mpirun:
+//                                               the rank that owns it) ends at once with status
+//                                               kInjectedExitStatus, or stops responding, before
+//                                               its forward: a rank dying mid-run
 //   STEPS       N, N-M (inclusive) or N- (N and every later step); 1-based
 //   MICROBATCH  0-based, default 0;  LAYER  0-based block index, default 0
 #pragma once
@@ -31,9 +35,12 @@ struct Parameter;
 /// corrupt gradients the guard exists for were ("orders of magnitude outside the normal range").
 inline constexpr float kSpikeFactor = 1e4f;
 
+/// The exit status of a process ended by an injected `exit` fault.
+inline constexpr int kInjectedExitStatus = 3;
+
 /// One parsed fault.
 struct Fault {
-  enum class Kind : uint8_t { activation, gradient, amax, spike };
+  enum class Kind : uint8_t { activation, gradient, amax, spike, exit, hang };
   Kind kind = Kind::gradient;
   float value = 0;  ///< NaN or +inf (activation, gradient, amax); kSpikeFactor (spike)
   int64_t first_step = 0, last_step = 0;  ///< last_step -1: no end

@@ -67,6 +67,12 @@ struct TrainOptions {
   bool guard_skip = false;
   double guard_z = GuardConfig{}.z;
   int64_t guard_warmup = GuardConfig{}.warmup;
+  /// ZeRO stage: 0 (every rank holds all optimizer state) or 1 (the AdamW moments sharded over
+  /// the data-parallel ranks, zero.h). Bitwise the same results either way.
+  int64_t zero = 0;
+  /// The dtype of the gradient all-reduce across ranks: fp32, or bf16 (half the bytes, each
+  /// gradient rounded to bf16; data_parallel.h says what it costs).
+  std::string grad_reduce_dtype = "fp32";
   /// Testing aid: faults to inject on purpose (fault_injection.h), e.g. "nan-grad@5". "": none.
   std::string inject;
 };
