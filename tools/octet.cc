@@ -53,6 +53,13 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "MoE: every L-th layer is an MoE layer (1: all, 2: every second; default 1)");
   cmd->add_option("--aux-loss-coef", o.aux_loss_coef,
                   "MoE: load-balancing loss weight (0: off; default 0.01)");
+  cmd->add_option("--router", o.router,
+                  "MoE: the router's scoring: softmax (Mixtral) or sigmoid (DeepSeek-V3; "
+                  "default softmax)");
+  cmd->add_option("--z-loss-coef", o.z_loss_coef, "MoE: router z-loss weight (0: off; default 0)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--shared-expert", o.shared_expert,
+                "MoE: add a dense MLP of width ffn that every token also goes through");
   cmd->add_option("--data", o.data, "builtin, text:FILE or bin:GLOB (llm.c shards)")
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "optimizer steps");
