@@ -112,8 +112,8 @@ TEST(MoeTraining, RouterZLossAndSharedExpertOptions) {
     const std::vector<std::string> names = f.names();
     return std::find(names.begin(), names.end(), name) != names.end();
   };
-  EXPECT_TRUE(has(file, "blocks.0.moe.shared.fc1.weight"));
-  EXPECT_FALSE(has(base_file, "blocks.0.moe.shared.fc1.weight"));
+  EXPECT_TRUE(has(file, "param.blocks.0.moe.shared.fc1.weight"));
+  EXPECT_FALSE(has(base_file, "param.blocks.0.moe.shared.fc1.weight"));
 }
 
 TEST(MoeTraining, NanIntoARouterSkipsTheStep) {
