@@ -88,17 +88,28 @@ void bm_scaled_activation_cast(benchmark::State& state) {
     const Field& f = field();
     Tensor fc1 = random_tensor({f.capacity, 2 * kFfn}, DType::bf16, 4);
     Tensor bias = random_tensor({kExperts, kFfn}, DType::f32, 5);
-    fp8::QuantizedTensor q = fp8::QuantizedTensor::allocate(
-        f.capacity, kFfn, DType::e4m3, fp8::ScalingMode::per_tensor, {true, true}, device());
-    ops::FusedQuantize fused{&q, ops::QuantizeArgs{filled_f32({1}, kHScale),
-                                                   Tensor::zeros({1}, DType::f32, device())}};
+    // FC2's input per expert, each with its own scale and amax, as nn::MoE passes it.
+    const Tensor offsets_host = f.plan.offsets.to(Device::cpu());
+    std::vector<int64_t> offsets(offsets_host.data<int32_t>(),
+                                 offsets_host.data<int32_t>() + offsets_host.numel());
+    std::vector<fp8::QuantizedTensor> q(kExperts);
+    std::vector<ops::FusedQuantize> targets(kExperts);
+    double fp8_bytes = 0;
+    for (int64_t e = 0; e < kExperts; ++e) {
+      q[e] = fp8::QuantizedTensor::allocate(offsets[e + 1] - offsets[e], kFfn, DType::e4m3,
+                                            fp8::ScalingMode::per_tensor, {true, true}, device());
+      targets[e] = {&q[e], ops::QuantizeArgs{filled_f32({1}, kHScale),
+                                             Tensor::zeros({1}, DType::f32, device())}};
+      fp8_bytes += bytes_of(q[e].data) + bytes_of(q[e].data_t);
+    }
+    const ops::MoeExpertCasts casts{offsets, targets};
     const double seconds = time_loop(state, [&] {
       ops::moe_scaled_activation_forward(ops::MoeActivation::swiglu, fc1, f.row_prob, f.plan,
-                                         bias, Tensor(), &fused);
+                                         bias, Tensor(), &casts);
     });
-    const double bytes = bytes_of(fc1) + bytes_of(q.data) + bytes_of(q.data_t);
+    const double bytes = bytes_of(fc1) + fp8_bytes;
     report_memory(state, seconds, bytes, bytes + bytes_of(f.row_prob) + bytes_of(bias));
-    state.SetLabel("swiglu * prob + bias -> e4m3 row-wise + transposed, vs D2D copy");
+    state.SetLabel("swiglu * prob + bias -> e4m3 row-wise + transposed per expert, vs D2D copy");
   });
 }
 

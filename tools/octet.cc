@@ -34,8 +34,8 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "fp8_format; default hybrid)");
   cmd->add_option("--unfuse", o.unfuse,
                   "switch fused casts off: all, or a comma list of norm-cast, activation-cast, "
-                  "activation-grad-cast, bias-grad, optimizer-cast (bitwise the same results; to "
-                  "bisect a numerical difference)");
+                  "activation-grad-cast, bias-grad, optimizer-cast, moe-activation-cast "
+                  "(bitwise the same results; to bisect a numerical difference)");
   cmd->add_option("--model", o.model,
                   "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b, moe-tiny or moe-16x2048 "
                   "(default: tiny on CPU, gpt2-124m on GPU)");
@@ -53,6 +53,13 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "MoE: every L-th layer is an MoE layer (1: all, 2: every second; default 1)");
   cmd->add_option("--aux-loss-coef", o.aux_loss_coef,
                   "MoE: load-balancing loss weight (0: off; default 0.01)");
+  cmd->add_option("--router", o.router,
+                  "MoE: the router's scoring: softmax (Mixtral) or sigmoid (DeepSeek-V3; "
+                  "default softmax)");
+  cmd->add_option("--z-loss-coef", o.z_loss_coef, "MoE: router z-loss weight (0: off; default 0)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--shared-expert", o.shared_expert,
+                "MoE: add a dense MLP of width ffn that every token also goes through");
   cmd->add_option("--data", o.data, "builtin, text:FILE or bin:GLOB (llm.c shards)")
       ->capture_default_str();
   cmd->add_option("--steps", o.steps, "optimizer steps");

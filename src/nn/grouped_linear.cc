@@ -104,13 +104,13 @@ std::optional<std::vector<ops::FusedQuantize>> GroupedLinear::fused_input(
 }
 
 Tensor GroupedLinear::forward(const Tensor& x, std::span<const int64_t> offsets, Saved& saved,
-                              ForwardMode mode) {
+                              ForwardMode mode, int64_t fused_rows) {
   check_offsets(offsets);
   const bool prefilled = saved.offsets.size() == offsets.size() && !saved.experts.empty() &&
                          std::any_of(saved.experts.begin(), saved.experts.end(),
                                      [](const Linear::Saved& e) { return e.input_prefilled; });
   const int64_t grouped = offsets.back();
-  const int64_t rows = x.defined() ? x.rows() : grouped;
+  const int64_t rows = x.defined() ? x.rows() : std::max(fused_rows, grouped);
   if (x.defined()) {
     OCTET_CHECK(x.ndim() == 2 && x.rows() >= grouped && x.cols() == in_, "GroupedLinear(in=", in_,
                 ") expects x [rows >= ", grouped, ", ", in_,

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "octet/core/hash.h"
+#include "octet/nn/fusion.h"
 #include "octet/ops/activation.h"
 #include "octet/ops/gemm.h"
 #include "octet/ops/quantize.h"
@@ -119,12 +120,18 @@ Tensor MoE::forward(const Tensor& input, Saved& saved, ForwardMode mode, const T
   permuted = Tensor();
   full.row_prob = Tensor::empty({capacity}, DType::f32, device_);
   ops::moe_gather_row_probs(full.router.prob, full.plan, full.row_prob);
-  // FC2's experts cast their own rows of h with their own scales inside GroupedLinear; the op's
-  // fused cast takes one scale for all rows, so it is not used here (the same single pass over h).
-  Tensor h = Tensor::empty({capacity, ffn_}, x.dtype(), device_);
+  // Under delayed scaling, once every expert with rows is calibrated, the activation writes FC2's
+  // FP8 input itself, each expert's rows with its own scale, and h is never stored.
+  const std::optional<std::vector<ops::FusedQuantize>> fc2_input =
+      fusion_enabled(Fusion::moe_activation_cast)
+          ? fc2_.fused_input(full.offsets, x.dtype(), full.fc2, mode)
+          : std::nullopt;
+  const Tensor h = fc2_input ? Tensor() : Tensor::empty({capacity, ffn_}, x.dtype(), device_);
+  ops::MoeExpertCasts casts{full.offsets, {}};
+  if (fc2_input) casts.experts = *fc2_input;
   ops::moe_scaled_activation_forward(config_.activation, full.fc1_out, full.row_prob, full.plan,
-                                     activation_bias_, h);
-  const Tensor expert_out = fc2_.forward(h, full.offsets, full.fc2, mode);
+                                     activation_bias_, h, fc2_input ? &casts : nullptr);
+  const Tensor expert_out = fc2_.forward(h, full.offsets, full.fc2, mode, capacity);
   if (mode != ForwardMode::inference) {
     full.fc1.release_forward_only();
     full.fc2.release_forward_only();

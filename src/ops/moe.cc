@@ -75,6 +75,40 @@ void check_router_outputs(const RouterOutputs& out, int64_t tokens, int64_t expe
 
 const Tensor* optional(const Tensor& t) { return t.defined() ? &t : nullptr; }
 
+/// Validates per-expert FP8 targets of a [capacity, f] output against the plan. The host offsets
+/// are compared with plan.offsets where that needs no device read (the CPU).
+void check_expert_casts(const MoeExpertCasts& casts, const MoePlan& plan, int64_t f,
+                        const Tensor& source, const char* op) {
+  const int64_t experts = plan.experts();
+  OCTET_CHECK(static_cast<int64_t>(casts.offsets.size()) == experts + 1 &&
+                  static_cast<int64_t>(casts.experts.size()) == experts,
+              op, ": casts must hold ", experts + 1, " offsets and ", experts,
+              " targets (one per expert), got ", casts.offsets.size(), " and ",
+              casts.experts.size());
+  OCTET_CHECK(casts.offsets[0] == 0 && casts.offsets[experts] <= plan.capacity(), op,
+              ": casts.offsets must run from 0 to at most the capacity ", plan.capacity(),
+              ", got ", casts.offsets[0], " .. ", casts.offsets[experts]);
+  if (plan.offsets.device().is_cpu()) {
+    const int32_t* device_offsets = plan.offsets.data<int32_t>();
+    for (int64_t e = 0; e <= experts; ++e)
+      OCTET_CHECK(casts.offsets[e] == device_offsets[e], op, ": casts.offsets[", e, "] is ",
+                  casts.offsets[e], " but the plan's is ", device_offsets[e],
+                  " (expected plan.offsets read to the host)");
+  }
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = casts.offsets[e + 1] - casts.offsets[e];
+    OCTET_CHECK(rows >= 0, op, ": casts.offsets must not decrease, got ", casts.offsets[e + 1],
+                " after ", casts.offsets[e], " (expert ", e, ")");
+    if (rows == 0) continue;
+    const FusedQuantize& target = casts.experts[e];
+    OCTET_CHECK(target.out != nullptr, op, ": expert ", e, " has ", rows,
+                " rows but no QuantizedTensor to write FC2's input into");
+    OCTET_CHECK(!target.args.column_sums.defined(), op, ": expert ", e,
+                ": column sums are not supported by the fused cast of FC2's input");
+    check_quantize_target(op, rows, f, *target.out, target.args, source);
+  }
+}
+
 /// Validates the scaled activation's common arguments; returns F (the output columns).
 int64_t check_scaled_activation(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
                                 const MoePlan& plan, const Tensor& bias, const char* op) {
@@ -296,27 +330,36 @@ void moe_scatter_row_probs(const Tensor& d_row_prob, const MoePlan& plan, const 
 
 void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
                                    const MoePlan& plan, const Tensor& bias, const Tensor& h,
-                                   const FusedQuantize* fused) {
+                                   const MoeExpertCasts* casts) {
   constexpr const char* op = "moe_scaled_activation_forward";
   const int64_t f = check_scaled_activation(act, fc1, row_prob, plan, bias, op);
-  OCTET_CHECK(h.defined() || fused != nullptr, op,
-              ": h may be undefined only with a fused FP8 output, got neither");
+  OCTET_CHECK(h.defined() || casts != nullptr, op,
+              ": h may be undefined only with FP8 casts of FC2's input, got neither");
   if (h.defined()) check_tensor(h, fc1.dtype(), {fc1.rows(), f}, op, "h");
   const Device device = plan_device(plan, {&fc1, &row_prob, optional(bias), optional(h)}, op);
-  if (fused != nullptr) {
-    OCTET_CHECK(fused->out != nullptr, op,
-                ": fused.out is null; expected the QuantizedTensor to write FC2's input into");
-    check_quantize_target(op, fc1.rows(), f, *fused->out, fused->args, fc1);
+  if (casts != nullptr) check_expert_casts(*casts, plan, f, fc1, op);
+  if (casts != nullptr && device.is_cuda()) {
+    dispatch(
+        device, op, [] {},
+        [&] {
+          OCTET_CUDA_ONLY(
+              cuda::moe_scaled_activation_forward_cast(act, fc1, row_prob, plan, bias, h, *casts));
+        });
+    return;
   }
-  // The FP8 cast runs as ops::quantize on the finished h: the same bytes a fused tile pass would
-  // write (the dense activation's contract), one extra read of h.
+  // The CPU reference of the fused cast: each expert's rows of the finished h quantized with its
+  // own target, which is the unfused path itself.
   const Tensor out = h.defined() ? h : Tensor::empty({fc1.rows(), f}, fc1.dtype(), device);
   dispatch(
       device, op, [&] { cpu::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, out); },
       [&] {
         OCTET_CUDA_ONLY(cuda::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, out));
       });
-  if (fused != nullptr) quantize(out, *fused->out, fused->args);
+  if (casts == nullptr) return;
+  for (size_t e = 0; e + 1 < casts->offsets.size(); ++e) {
+    const int64_t begin = casts->offsets[e], end = casts->offsets[e + 1];
+    if (end > begin) quantize(out.slice(begin, end), *casts->experts[e].out, casts->experts[e].args);
+  }
 }
 
 void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const Tensor& fc1,

@@ -81,6 +81,9 @@ json config_json(const ModelConfig& c) {
     j["moe_every"] = c.moe_every;
     j["moe_activation"] = c.moe_activation;
     j["aux_loss_coef"] = c.aux_loss_coef;
+    j["router"] = c.router;
+    j["z_loss_coef"] = c.z_loss_coef;
+    j["shared_expert"] = c.shared_expert;
   }
   return j;
 }
@@ -105,6 +108,9 @@ ModelConfig config_from_json(const json& j) {
     c.moe_every = j.at("moe_every");
     c.moe_activation = j.at("moe_activation").get<std::string>();
     c.aux_loss_coef = j.at("aux_loss_coef");
+    c.router = j.at("router").get<std::string>();
+    c.z_loss_coef = j.at("z_loss_coef");
+    c.shared_expert = j.at("shared_expert");
   }
   c.validate();
   return c;

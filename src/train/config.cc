@@ -1,5 +1,6 @@
 #include "octet/train/config.h"
 
+#include <cmath>
 #include <sstream>
 
 #include "octet/core/error.h"
@@ -70,6 +71,12 @@ std::vector<std::string> model_preset_names() {
   return {"tiny", "gpt2-124m", "gpt2-350m", "gpt2-1.5b", "llama-1b", "moe-tiny", "moe-16x2048"};
 }
 
+ops::RouterScoring ModelConfig::router_scoring() const {
+  for (ops::RouterScoring s : {ops::RouterScoring::softmax, ops::RouterScoring::sigmoid})
+    if (router == ops::router_scoring_name(s)) return s;
+  OCTET_ERROR("unknown MoE router '", router, "'; expected softmax or sigmoid");
+}
+
 int64_t ModelConfig::parameter_count() const {
   const int64_t embeddings = vocab * dim + (arch == Arch::gpt2 ? max_seq * dim : 0);
   const int64_t head = tied_embeddings() ? 0 : vocab * dim;
@@ -82,7 +89,8 @@ int64_t ModelConfig::parameter_count() const {
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t expert_in = ops::moe_activation_input_cols(moe_activation_kind(), ffn);
     const int64_t moe = experts * (dim * expert_in + ffn * dim + bias * (expert_in + dim)) +
-                        experts * dim;  // the experts and the router
+                        experts * dim +  // the experts and the router
+                        (shared_expert ? mlp : 0);
     blocks += 2 * norm + attention + (is_moe_layer(l) ? moe : mlp);
   }
   return embeddings + head + blocks + norm;
@@ -104,7 +112,10 @@ void ModelConfig::validate() const {
     OCTET_CHECK(moe_every >= 1 && moe_every <= layers, "--moe-every (", moe_every,
                 ") must be in [1, layers = ", layers, "]");
     OCTET_CHECK(aux_loss_coef >= 0.0f, "--aux-loss-coef must be >= 0, got ", aux_loss_coef);
+    OCTET_CHECK(z_loss_coef >= 0.0f && std::isfinite(z_loss_coef),
+                "--z-loss-coef must be a finite number >= 0, got ", z_loss_coef);
     moe_activation_kind();  // throws on an unknown name
+    router_scoring();
   }
   OCTET_CHECK(vocab % kShapeMultiple == 0, "vocab (", vocab, ") must be a multiple of ",
               kShapeMultiple, "; use ", round_up(vocab, kShapeMultiple));
@@ -118,7 +129,9 @@ std::string ModelConfig::describe() const {
   if (experts > 0) {
     out << "; MoE: " << experts << " experts, top-" << topk << ", " << moe_activation
         << ", every " << moe_every << (moe_every == 1 ? " layer" : " layers") << ", aux loss "
-        << aux_loss_coef;
+        << aux_loss_coef << ", " << router << " router";
+    if (z_loss_coef > 0.0f) out << ", z-loss " << z_loss_coef;
+    if (shared_expert) out << ", shared expert";
   }
   out << ")";
   return out.str();

@@ -274,6 +274,9 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
   moe.topk = config.topk;
   moe.activation = config.experts > 0 ? config.moe_activation_kind() : moe.activation;
   moe.aux_loss_coef = config.aux_loss_coef;
+  moe.scoring = config.experts > 0 ? config.router_scoring() : moe.scoring;
+  moe.z_loss_coef = config.z_loss_coef;
+  moe.shared_expert = config.shared_expert;
   // Linear's compute dtype outside FP8 autocast is the activation dtype. The layers' own
   // (uniform) initialization is replaced by initialize() below.
   blocks.reserve(static_cast<size_t>(config.layers));

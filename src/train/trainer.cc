@@ -195,14 +195,19 @@ ModelConfig resolve_model_config(const TrainOptions& o, int data_vocab) {
   if (o.heads) c.heads = o.heads;
   if (o.ffn) c.ffn = o.ffn;
   if (o.experts >= 0) c.experts = o.experts;
-  const bool moe_flags =
-      o.topk || o.moe_every || !o.moe_activation.empty() || o.aux_loss_coef >= 0;
-  OCTET_CHECK(c.experts > 0 || !moe_flags, "--topk, --act, --moe-every and --aux-loss-coef "
-              "configure mixture-of-experts layers; add --experts N (or --model moe-tiny)");
+  const bool moe_flags = o.topk || o.moe_every || !o.moe_activation.empty() ||
+                         o.aux_loss_coef >= 0 || !o.router.empty() || o.z_loss_coef >= 0 ||
+                         o.shared_expert;
+  OCTET_CHECK(c.experts > 0 || !moe_flags, "--topk, --act, --moe-every, --aux-loss-coef, --router, "
+              "--z-loss-coef and --shared-expert configure mixture-of-experts layers; add "
+              "--experts N (or --model moe-tiny)");
   if (o.topk) c.topk = o.topk;
   if (o.moe_every) c.moe_every = o.moe_every;
   if (!o.moe_activation.empty()) c.moe_activation = o.moe_activation;
   if (o.aux_loss_coef >= 0) c.aux_loss_coef = static_cast<float>(o.aux_loss_coef);
+  if (!o.router.empty()) c.router = o.router;
+  if (o.z_loss_coef >= 0) c.z_loss_coef = static_cast<float>(o.z_loss_coef);
+  if (o.shared_expert) c.shared_expert = true;
   if (o.vocab) {
     c.vocab = o.vocab;
   } else if (data_vocab < c.vocab) {

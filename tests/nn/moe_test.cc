@@ -1,8 +1,9 @@
-// nn::MoE: the forward against a plain per-token reference (softmax top-k, each chosen expert's
-// Linears run on the token alone), finite differences for dx and the router weight (their
-// gradients flow through dprob and the aux and z losses), activation recompute bitwise equal to
-// no recompute under BF16 and FP8 delayed scaling, empty experts, and on a GPU, runs at the field
-// shape of FIELD-NOTES section 3 that repeat byte for byte.
+// nn::MoE: for every expert activation, the forward against a plain per-token reference (softmax
+// top-k, each chosen expert's Linears run on the token alone) and finite differences for dx and
+// the router weight (their gradients flow through dprob and the aux and z losses); activation
+// recompute bitwise equal to no recompute under BF16 and FP8 delayed scaling; the fused per-expert
+// cast of FC2's input bitwise equal to the unfused path; empty experts; and on a GPU, runs at the
+// field shape of FIELD-NOTES section 3 that repeat byte for byte.
 #include "octet/nn/moe.h"
 
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 
 #include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
+#include "octet/nn/fusion.h"
 #include "test_util.h"
 
 namespace octet::nn {
@@ -46,9 +48,30 @@ BlockConfig moe_config(int64_t dim, int64_t ffn, int64_t experts, int64_t topk,
 
 std::vector<float> host(const Tensor& t) { return testing::to_floats(t); }
 
+/// The tanh GELU in double.
+double gelu_tanh(double x) {
+  const double k = std::sqrt(2.0 / std::acos(-1.0));
+  return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
+}
+
+/// The expert activation of one output in double; `up` is read by the gated ones only.
+double activate(ops::MoeActivation act, double x, double up) {
+  switch (act) {
+    case ops::MoeActivation::swiglu:
+      return x / (1 + std::exp(-x)) * up;
+    case ops::MoeActivation::geglu:
+      return gelu_tanh(x) * up;
+    case ops::MoeActivation::srelu:
+      return x > 0 ? x * x : 0.0;
+    case ops::MoeActivation::gelu:
+      return gelu_tanh(x);
+  }
+  return 0.0;
+}
+
 /// The reference of one token: softmax over the logits, the top k (ties: lower index), their
-/// probabilities renormalised; each chosen expert's fc1, SwiGLU (+ bias) times the probability,
-/// fc2; the sum over the chosen experts. Everything in double on the host.
+/// probabilities renormalised; each chosen expert's fc1, activation (+ bias) times the
+/// probability, fc2; the sum over the chosen experts. Everything in double on the host.
 std::vector<double> reference_token(const MoE& moe, const std::vector<float>& x) {
   const int64_t experts = moe.experts(), topk = moe.config().topk;
   const int64_t dim = static_cast<int64_t>(x.size());
@@ -75,14 +98,16 @@ std::vector<double> reference_token(const MoE& moe, const std::vector<float>& x)
     const std::vector<float> w1 = host(fc1.weight()), b1 = host(fc1.bias());
     const std::vector<float> w2 = host(fc2.weight()), b2 = host(fc2.bias());
     const int64_t f = fc2.in_features();
+    const ops::MoeActivation act = moe.config().activation;
+    const bool gated = fc1.out_features() == 2 * f;
     std::vector<double> h(f);
     for (int64_t j = 0; j < f; ++j) {
-      double gate = b1[j], up = b1[f + j];
+      double gate = b1[j], up = gated ? b1[f + j] : 0.0;
       for (int64_t d = 0; d < dim; ++d) {
         gate += double(x[d]) * w1[j * dim + d];
-        up += double(x[d]) * w1[(f + j) * dim + d];
+        if (gated) up += double(x[d]) * w1[(f + j) * dim + d];
       }
-      h[j] = (gate / (1 + std::exp(-gate)) * up + bias[e * f + j]) * prob;
+      h[j] = (activate(act, gate, up) + bias[e * f + j]) * prob;
     }
     for (int64_t d = 0; d < dim; ++d) {
       double acc = b2[d];
@@ -99,10 +124,13 @@ void randomize_activation_bias(MoE& moe, uint64_t seed) {
   bias.copy_from(testing::random_tensor(bias.shape(), DType::f32, seed, 0.1f));
 }
 
-TEST(MoE, ForwardMatchesPerTokenReference) {
+/// Every expert activation: the forward against the per-token reference, the gradients against
+/// finite differences.
+class MoEActivation : public ::testing::TestWithParam<ops::MoeActivation> {};
+
+TEST_P(MoEActivation, ForwardMatchesPerTokenReference) {
   const int64_t tokens = 12, dim = 32, ffn = 16;
-  MoE moe(moe_config(dim, ffn, 4, 2, ops::MoeActivation::swiglu), Device::cpu(), fresh_seed(),
-          DType::f32);
+  MoE moe(moe_config(dim, ffn, 4, 2, GetParam()), Device::cpu(), fresh_seed(), DType::f32);
   randomize_activation_bias(moe, fresh_seed());
   const Tensor x = testing::random_tensor({tokens, dim}, DType::f32, fresh_seed());
   MoE::Saved saved;
@@ -147,15 +175,14 @@ bool clear_choices(const MoE& moe, const Tensor& x, double margin) {
   return true;
 }
 
-TEST(MoE, GradientsMatchFiniteDifferences) {
+TEST_P(MoEActivation, GradientsMatchFiniteDifferences) {
   const int64_t tokens = 8, dim = 16, ffn = 16;
   constexpr double kEps = 1e-2;
   // Seeds until every token's choice is clear of ties by far more than a step moves a logit.
   std::optional<MoE> moe;
   Tensor x;
   for (int attempt = 0; attempt < 64; ++attempt) {
-    moe.emplace(moe_config(dim, ffn, 4, 2, ops::MoeActivation::swiglu), Device::cpu(),
-                fresh_seed(), DType::f32);
+    moe.emplace(moe_config(dim, ffn, 4, 2, GetParam()), Device::cpu(), fresh_seed(), DType::f32);
     x = testing::random_tensor({tokens, dim}, DType::f32, fresh_seed());
     if (clear_choices(*moe, x, 0.05)) break;
   }
@@ -188,6 +215,11 @@ TEST(MoE, GradientsMatchFiniteDifferences) {
   check(x, dx, "dx");
   check(moe->router_weight(), dwr, "router dW");
 }
+
+INSTANTIATE_TEST_SUITE_P(All, MoEActivation,
+                         ::testing::Values(ops::MoeActivation::swiglu, ops::MoeActivation::geglu,
+                                           ops::MoeActivation::srelu, ops::MoeActivation::gelu),
+                         [](const auto& info) { return ops::moe_activation_name(info.param); });
 
 /// The bytes a step leaves in the layer: every gradient, the last dprob and every FP8 state.
 std::vector<Tensor> layer_bytes(const MoE& moe) {
@@ -269,6 +301,53 @@ INSTANTIATE_TEST_SUITE_P(
       return testing::device_name(std::get<0>(info.param)) +
              (std::get<1>(info.param) ? "_fp8_delayed" : "_bf16");
     });
+
+class MoEFusedCast : public ::testing::TestWithParam<Device> {};
+
+/// Under delayed scaling the scaled activation writes FC2's FP8 input per expert (fusion
+/// moe-activation-cast): every step, gradient and FP8 state bitwise those of the unfused path
+/// (the activation, then each expert's own cast), with and without recompute.
+TEST_P(MoEFusedCast, BitwiseEqualToUnfused) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const int64_t tokens = 40, dim = 32, ffn = 48;
+  const uint64_t seed = fresh_seed();
+  const BlockConfig config = moe_config(dim, ffn, 6, 2, ops::MoeActivation::swiglu);
+  const Precision delayed{Recipe::delayed()};
+  for (bool recompute : {false, true}) {
+    SCOPED_TRACE(recompute ? "recompute" : "no recompute");
+    MoE fused(config, device, seed, DType::f32, recompute);
+    MoE unfused(config, device, seed, DType::f32, /*recompute=*/false);
+    AmaxRegistry fused_registry, unfused_registry;
+    // Step 0 calibrates the experts (the fused cast declines a first pass); 1 and 2 fuse.
+    for (int step = 0; step < 3; ++step) {
+      const Tensor x =
+          testing::random_tensor({tokens, dim}, DType::bf16, seed + 11 + step).to(device);
+      const Tensor dy =
+          testing::random_tensor({tokens, dim}, DType::bf16, seed + 23 + step).to(device);
+      if (step > 0) {
+        Fp8Autocast scope(*delayed, fused_registry);
+        for (int64_t g = 0; g < fused.experts(); ++g)
+          ASSERT_TRUE(fused.fc2().expert(g).takes_fused_input(Linear::Saved{}))
+              << "expert " << g << " would decline the fused cast at step " << step;
+      }
+      const auto [y1, dx1] = moe_step(fused, fused_registry, delayed, x, dy);
+      std::pair<Tensor, Tensor> reference;
+      {
+        UnfusedScope off({Fusion::moe_activation_cast});
+        reference = moe_step(unfused, unfused_registry, delayed, x, dy);
+      }
+      EXPECT_TRUE(bitwise_equal(y1, reference.first)) << "y, step " << step;
+      EXPECT_TRUE(bitwise_equal(dx1, reference.second)) << "dx, step " << step;
+    }
+    const std::vector<Tensor> a = layer_bytes(fused), b = layer_bytes(unfused);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(bitwise_equal(a[i], b[i])) << "tensor " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, MoEFusedCast, ::testing::ValuesIn(testing::all_backends()),
+                         [](const auto& info) { return testing::device_name(info.param); });
 
 TEST(MoE, EmptyExpertsGetNoGradient) {
   const int64_t tokens = 3, dim = 32, ffn = 16, experts = 8;

@@ -506,33 +506,130 @@ TEST_P(ScaledActivationTest, CudaMatchesCpu) {
     }
 }
 
-/// The fused FP8 cast of h is bitwise ops::quantize of h, on every backend and fused path.
-TEST_P(ScaledActivationTest, FusedCastMatchesUnfused) {
+/// FC2's FP8 input, one target per expert with rows, each with its own scale (a shared scale
+/// would be caught) saturating the top of most experts' rows, and an amax starting below them.
+struct ExpertCastTargets {
+  std::vector<int64_t> offsets;
+  std::vector<fp8::QuantizedTensor> q;
+  std::vector<Tensor> amax;
+  std::vector<ops::FusedQuantize> fused;
+
+  ExpertCastTargets(std::vector<int64_t> group_offsets, int64_t f, const testing::FusedCase& c,
+                    const Device& d)
+      : offsets(std::move(group_offsets)) {
+    const size_t experts = offsets.size() - 1;
+    q.resize(experts);
+    amax.resize(experts);
+    fused.resize(experts);
+    for (size_t e = 0; e < experts; ++e) {
+      const int64_t rows = offsets[e + 1] - offsets[e];
+      if (rows <= 0) continue;
+      q[e] = fp8::QuantizedTensor::allocate(rows, f, c.fp8, c.mode, c.usage, d);
+      amax[e] = on(Tensor::from_vector({1e-3f}, {1}), d);
+      const float scale = fp8::fp8_max(c.fp8) / (1.0f + 0.5f * static_cast<float>(e));
+      fused[e] = {&q[e], ops::QuantizeArgs{on(Tensor::from_vector({scale}, {1}), d), amax[e]}};
+    }
+  }
+  ops::MoeExpertCasts casts() const { return {offsets, fused}; }
+};
+
+/// Every expert's FP8 copies, scales and amax bitwise equal between a and b.
+void expect_same_casts(const ExpertCastTargets& a, const ExpertCastTargets& b,
+                       const testing::FusedCase& c) {
+  for (size_t e = 0; e < a.q.size(); ++e) {
+    if (a.fused[e].out == nullptr) continue;
+    SCOPED_TRACE(::testing::Message() << "expert " << e);
+    if (c.usage.rowwise) {
+      EXPECT_TRUE(bitwise_equal(a.q[e].data, b.q[e].data)) << "data";
+      EXPECT_TRUE(bitwise_equal(a.q[e].scale_inv, b.q[e].scale_inv)) << "scale_inv";
+    }
+    if (c.usage.columnwise) {
+      EXPECT_TRUE(bitwise_equal(a.q[e].data_t, b.q[e].data_t)) << "data_t";
+      EXPECT_TRUE(bitwise_equal(a.q[e].scale_inv_t, b.q[e].scale_inv_t)) << "scale_inv_t";
+    }
+    EXPECT_TRUE(bitwise_equal(a.amax[e], b.amax[e])) << "amax";
+  }
+}
+
+std::vector<int64_t> host_offsets(const MoePlan& plan) {
+  const std::vector<int32_t> o = ints(plan.offsets);
+  return std::vector<int64_t>(o.begin(), o.end());
+}
+
+/// The fused per-expert cast against the unfused path (the activation, then ops::quantize of each
+/// expert's rows with its own target), bitwise, with and without h, on every backend and fused
+/// path, including empty experts and very uneven splits; srelu (no transcendental) also CUDA =
+/// CPU bitwise.
+TEST_P(ScaledActivationTest, PerExpertFusedCastMatchesUnfused) {
   const MoeActivation act = GetParam();
   std::mt19937_64 rng(fresh_seed());
-  for (const Device& d : testing::all_backends()) {
-    if (d.is_cuda() && cuda_device_count() == 0) continue;
-    SCOPED_TRACE(d.str());
-    const ActivationInputs in =
-        draw_activation_inputs(act, Split::random, 150, 2, 8, 96, DType::bf16, rng);
-    const MoePlan plan = d.is_cpu() ? in.plan : make_plan(in.expert, in.plan.experts(), d);
-    const Tensor fc1 = on(in.fc1, d), row_prob = on(in.row_prob, d), bias = on(in.bias, d);
-    const Tensor h = Tensor::empty(in.dh.shape(), DType::bf16, d);
-    for (const testing::FusedCase& c : testing::fused_cases())
-      testing::expect_fused_matches_unfused(
-          d, h,
-          [&](const ops::FusedQuantize* f) {
-            ops::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, h, f);
-          },
-          c,
-          [&](const ops::FusedQuantize* f) {
-            ops::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, Tensor(), f);
-          });
+  for (const SplitCase& split : kSplits) {
+    const DType dtype = split.split == Split::random ? DType::f32 : DType::bf16;
+    const ActivationInputs in = draw_activation_inputs(act, split.split, split.tokens, split.topk,
+                                                       split.experts, split.dim, dtype, rng);
+    const std::vector<int64_t> offsets = host_offsets(in.plan);
+    for (const testing::FusedCase& c : testing::fused_cases()) {
+      std::vector<ExpertCastTargets> cpu_fused;
+      for (const Device& d : testing::all_backends()) {
+        if (d.is_cuda() && cuda_device_count() == 0) continue;
+        SCOPED_TRACE(::testing::Message() << split.name << " " << d.str() << " "
+                                          << fp8::scaling_mode_name(c.mode) << " "
+                                          << dtype_name(c.fp8));
+        const MoePlan plan = d.is_cpu() ? in.plan : make_plan(in.expert, split.experts, d);
+        const Tensor fc1 = on(in.fc1, d), row_prob = on(in.row_prob, d), bias = on(in.bias, d);
+        const Tensor h = Tensor::empty(in.dh.shape(), dtype, d);
+        ops::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, h);
+        ExpertCastTargets unfused(offsets, split.dim, c, d);
+        for (size_t e = 0; e + 1 < offsets.size(); ++e)
+          if (offsets[e + 1] > offsets[e])
+            ops::quantize(h.slice(offsets[e], offsets[e + 1]), unfused.q[e], unfused.fused[e].args);
+
+        ExpertCastTargets with_h(offsets, split.dim, c, d), fp8_only(offsets, split.dim, c, d);
+        const Tensor fused_h = Tensor::empty(in.dh.shape(), dtype, d);
+        const ops::MoeExpertCasts casts = with_h.casts(), casts_only = fp8_only.casts();
+        ops::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, fused_h, &casts);
+        ops::moe_scaled_activation_forward(act, fc1, row_prob, plan, bias, Tensor(), &casts_only);
+        EXPECT_TRUE(bitwise_equal(h, fused_h)) << "h";
+        expect_same_casts(unfused, with_h, c);
+        expect_same_casts(unfused, fp8_only, c);
+        if (d.is_cpu()) cpu_fused.push_back(std::move(fp8_only));
+        if (d.is_cuda() && act == MoeActivation::srelu) expect_same_casts(cpu_fused.at(0), fp8_only, c);
+      }
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, ScaledActivationTest, ::testing::ValuesIn(kActivations),
                          [](const auto& info) { return ops::moe_activation_name(info.param); });
+
+/// The per-expert casts must match the plan: one target per expert with rows, the host offsets
+/// those of the plan, no column sums.
+TEST(MoeExpertCasts, RefusesTargetsThatDoNotMatchThePlan) {
+  std::mt19937_64 rng(fresh_seed());
+  const int64_t f = 32;
+  const ActivationInputs in =
+      draw_activation_inputs(MoeActivation::srelu, Split::random, 40, 2, 4, f, DType::f32, rng);
+  const testing::FusedCase c = testing::fused_cases().front();
+  std::vector<int64_t> offsets = host_offsets(in.plan);
+  const auto run = [&](const ExpertCastTargets& t) {
+    const ops::MoeExpertCasts casts = t.casts();
+    ops::moe_scaled_activation_forward(MoeActivation::srelu, in.fc1, in.row_prob, in.plan,
+                                       in.bias, Tensor(), &casts);
+  };
+  size_t busy = 0;  // an expert with rows
+  while (offsets[busy + 1] == offsets[busy]) ++busy;
+  ExpertCastTargets missing(offsets, f, c, kCpu);
+  missing.fused[busy] = {};
+  testing::expect_error([&] { run(missing); },
+                        {"expert " + std::to_string(busy) + " has", "no QuantizedTensor"});
+  ExpertCastTargets sums(offsets, f, c, kCpu);
+  sums.fused[busy].args.column_sums = Tensor::zeros({f}, DType::f32);
+  testing::expect_error([&] { run(sums); }, {"column sums are not supported"});
+  std::vector<int64_t> shifted = offsets;
+  shifted[1] += ops::kMoeGroupAlign;
+  testing::expect_error([&] { run(ExpertCastTargets(shifted, f, c, kCpu)); },
+                        {"casts.offsets[1]", "plan's"});
+}
 
 // ----------------------------------------------------------------------------
 // Repeatability at the field shape (FIELD-NOTES section 3): 16 experts x 1024 routed rows each,

@@ -80,6 +80,13 @@ TEST(Cli, BadMixtureOfExpertsInputIsOneLine) {
                         "add --experts N");
   expect_one_error_line(run_octet("train --device cpu --experts 4 --act relu --steps 1", dir),
                         "unknown MoE activation 'relu'");
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --router tanh --steps 1", dir),
+                        "unknown MoE router 'tanh'; expected softmax or sigmoid");
+  expect_one_error_line(
+      run_octet("train --device cpu --experts 4 --z-loss-coef -0.5 --steps 1", dir),
+      "--z-loss-coef");
+  expect_one_error_line(run_octet("train --device cpu --shared-expert --steps 1", dir),
+                        "add --experts N");
 }
 
 TEST(Cli, ResumingAnMoeCheckpointNeedsItsExpertCount) {
@@ -95,6 +102,9 @@ TEST(Cli, ResumingAnMoeCheckpointNeedsItsExpertCount) {
   EXPECT_THAT(dense.output, HasSubstr("resume with --experts 4"));
   expect_one_error_line(run_octet(run + " --experts 8 --steps 2 --resume run", dir),
                         "resume with --experts 4");
+  const CliResult other_router = run_octet(run + " --router sigmoid --steps 2 --resume run", dir);
+  expect_one_error_line(other_router, "incompatible run: config");
+  EXPECT_THAT(other_router.output, HasSubstr("\"router\":\"sigmoid\""));
   EXPECT_EQ(std::filesystem::last_write_time(checkpoint), before) << "no checkpoint touched";
   EXPECT_FALSE(std::filesystem::exists(dir / "run" / "checkpoint-000002.safetensors"));
 }

@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "octet/core/tensor.h"
+#include "octet/train/checkpoint.h"
 #include "octet/train/model.h"
+#include "octet/train/safetensors.h"
 #include "octet/train/trainer.h"
 #include "train/run_checks.h"
 #include "train/scratch_dir.h"
@@ -76,6 +78,42 @@ TEST(MoeTraining, ResumeIsBitwise) {
   run_train(second);
   testing::expect_same_tensors(dir / "straight" / "checkpoint-000004.safetensors",
                                dir / "split" / "checkpoint-000004.safetensors");
+}
+
+/// --router sigmoid, --z-loss-coef and --shared-expert reach the model and its checkpoint: the
+/// z-loss is reported, the aux loss (over sigmoid scores) differs from the softmax router's, the
+/// shared expert's weights are trained and saved, and the checkpoint's config holds all three.
+TEST(MoeTraining, RouterZLossAndSharedExpertOptions) {
+  const fs::path dir = testing::scratch_dir();
+  TrainOptions base = moe_run(dir / "base", 1);
+  run_train(base);
+  TrainOptions o = moe_run(dir / "flags", 1);
+  o.router = "sigmoid";
+  o.z_loss_coef = 0.01;
+  o.shared_expert = true;
+  run_train(o);
+  const nlohmann::json a = step_lines(dir / "base" / "metrics.jsonl").back().at("moe").at(
+                           "blocks.0.moe"),
+                       b = step_lines(dir / "flags" / "metrics.jsonl").back().at("moe").at(
+                           "blocks.0.moe");
+  EXPECT_EQ(a.at("z_loss").get<double>(), 0.0);
+  EXPECT_GT(b.at("z_loss").get<double>(), 0.0);
+  EXPECT_NE(a.at("aux_loss").get<double>(), b.at("aux_loss").get<double>());
+  const SafetensorsFile base_file =
+      load_safetensors((dir / "base" / "checkpoint-000001.safetensors").string());
+  const SafetensorsFile file =
+      load_safetensors((dir / "flags" / "checkpoint-000001.safetensors").string());
+  const ModelConfig held = checkpoint_config(file);
+  EXPECT_EQ(held.router, "sigmoid");
+  EXPECT_EQ(held.z_loss_coef, 0.01f);
+  EXPECT_TRUE(held.shared_expert);
+  EXPECT_FALSE(checkpoint_config(base_file).shared_expert);
+  const auto has = [](const SafetensorsFile& f, const std::string& name) {
+    const std::vector<std::string> names = f.names();
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  EXPECT_TRUE(has(file, "param.blocks.0.moe.shared.fc1.weight"));
+  EXPECT_FALSE(has(base_file, "param.blocks.0.moe.shared.fc1.weight"));
 }
 
 TEST(MoeTraining, NanIntoARouterSkipsTheStep) {

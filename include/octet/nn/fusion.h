@@ -23,10 +23,14 @@ enum class Fusion : uint8_t {
   bias_grad,
   /// Delayed scaling: AdamW writes the next step's FP8 weights (both copies) with its update.
   optimizer_cast,
+  /// Delayed scaling: an MoE layer's scaled activation writes FC2's FP8 input (both copies), each
+  /// expert's rows with that expert's scale.
+  moe_activation_cast,
 };
-inline constexpr int kFusionCount = 5;
+inline constexpr int kFusionCount = 6;
 
-/// "norm-cast", "activation-cast", "activation-grad-cast", "bias-grad", "optimizer-cast".
+/// "norm-cast", "activation-cast", "activation-grad-cast", "bias-grad", "optimizer-cast",
+/// "moe-activation-cast".
 std::string_view fusion_name(Fusion fusion);
 /// Every fusion, in declaration order.
 std::vector<Fusion> all_fusions();

@@ -46,9 +46,10 @@ class GroupedLinear {
   /// expert's rows through its Linear; rows past offsets.back() are padding (the tail of an MoE
   /// plan's capacity) and give zero rows of y (FP8 under fp8_autocast per the active recipe, else the
   /// compute dtype). Experts without rows are skipped: they record no amax and write no gradient.
-  /// x may be undefined when every expert with rows took a fused input (fused_input).
+  /// x may be undefined when every expert with rows took a fused input (fused_input); y then has
+  /// `fused_rows` rows (0: offsets.back()).
   Tensor forward(const Tensor& x, std::span<const int64_t> offsets, Saved& saved,
-                 ForwardMode mode = ForwardMode::normal);
+                 ForwardMode mode = ForwardMode::normal, int64_t fused_rows = 0);
   /// The fused FP8 input (Linear::fused_input) of every expert: one FusedQuantize per expert,
   /// an empty one (out == nullptr) for experts without rows. nullopt, with `saved` untouched, unless
   /// every expert with rows can take one (delayed scaling, calibrated states). The producer writes

@@ -20,7 +20,8 @@ namespace octet::nn {
 
 /// Router + experts of one layer on one device. Forward:
 ///   logits = x Wr^T (FP32: routers are not run in FP8), router_forward -> expert, prob;
-///   moe_plan; dispatch; fc1; h = act(fc1) * prob (+ per-expert bias); fc2; combine;
+///   moe_plan; dispatch; fc1; h = act(fc1) * prob (+ per-expert bias) (under delayed scaling,
+///   once calibrated, written straight into FC2's per-expert FP8 inputs); fc2; combine;
 ///   y = combine + shared(x) + residual.
 /// The group offsets of the plan are read back to the host once per forward (a host
 /// synchronisation per layer): the per-expert GEMMs need their row ranges on the host.

@@ -6,12 +6,13 @@
 // A layer runs, per step:
 //   router_forward(logits) -> expert, prob, counts;  moe_plan(expert) -> offsets, row maps;
 //   moe_dispatch(x) -> permuted rows;  FC1 (grouped GEMM);  moe_gather_row_probs(prob);
-//   moe_scaled_activation_forward(fc1, row_prob) -> h (and FC2's FP8 input);  FC2;
+//   moe_scaled_activation_forward(fc1, row_prob) -> h (or FC2's FP8 input, per expert);  FC2;
 //   moe_combine(expert_out) -> y   (prob undefined there: it was applied in the activation)
 // and the backward ops in reverse order.
 #pragma once
 
 #include <cstdint>
+#include <span>
 
 #include "octet/core/tensor.h"
 #include "octet/ops/quantize.h"
@@ -135,14 +136,26 @@ const char* moe_activation_name(MoeActivation act);
 /// Columns of fc1 for F activation outputs (2F for the gated ones).
 int64_t moe_activation_input_cols(MoeActivation act, int64_t f);
 
+/// FC2's FP8 input, one target per expert (each expert has its own scale and amax): expert e's
+/// rows [offsets[e], offsets[e+1]) of h go to experts[e], bitwise as
+/// ops::quantize(h.slice(offsets[e], offsets[e+1]), *experts[e].out, experts[e].args) would.
+/// The targets are what GroupedLinear::fused_input gives; column sums are not supported.
+struct MoeExpertCasts {
+  /// plan.offsets on the host (experts + 1 entries), which the caller has read for the GEMMs.
+  std::span<const int64_t> offsets;
+  /// One per expert; out == nullptr is allowed (and ignored) only for experts without rows.
+  std::span<const FusedQuantize> experts;
+};
+
 /// h[r, j] = (act(fc1)[r, j] + bias[e(r), j]) * row_prob[r] for the rows of expert e(r); 0 for
 /// padding rows. fc1 [capacity, in_cols] and h [capacity, F] f32|bf16 (same dtype); row_prob f32
 /// [capacity]; bias optional f32 [experts, F] (the per-expert bias on the activation's output,
-/// the "scale_bias" form of docs/DETERMINISM.md). With `fused`, FC2's FP8 input is written too,
-/// as ops::quantize(h) would (h may then be undefined).
+/// the "scale_bias" form of docs/DETERMINISM.md). With `casts`, FC2's FP8 input is written too,
+/// every expert's rows with that expert's scale, in the same pass over fc1 on CUDA (h may then be
+/// undefined: it is not stored).
 void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
                                    const MoePlan& plan, const Tensor& bias, const Tensor& h,
-                                   const FusedQuantize* fused = nullptr);
+                                   const MoeExpertCasts* casts = nullptr);
 
 /// The gradient of moe_scaled_activation_forward, given dh [capacity, F]:
 ///   dfc1 = act'(fc1) * (dh * row_prob) (fc1's shape and dtype; padding rows 0);

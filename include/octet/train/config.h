@@ -34,11 +34,16 @@ struct ModelConfig {
   int64_t moe_every = 1;
   std::string moe_activation = "swiglu";  ///< swiglu, geglu, srelu or gelu
   float aux_loss_coef = 0.01f;            ///< load-balancing loss weight (0: off)
+  std::string router = "softmax";         ///< the router's scoring: softmax or sigmoid
+  float z_loss_coef = 0.0f;               ///< router z-loss weight (0: off)
+  bool shared_expert = false;             ///< a dense MLP of width ffn every token also takes
 
   int64_t head_dim() const { return dim / heads; }
   bool tied_embeddings() const { return arch == Arch::gpt2; }
   /// moe_activation as an enum (throws on an unknown name).
   ops::MoeActivation moe_activation_kind() const;
+  /// router as an enum (throws on an unknown name).
+  ops::RouterScoring router_scoring() const;
   /// Whether block `layer` (0-based) is an MoE layer.
   bool is_moe_layer(int64_t layer) const {
     return experts > 0 && (layer + 1) % moe_every == 0;

@@ -33,10 +33,14 @@ struct TrainOptions {
   int64_t layers = 0, dim = 0, heads = 0, ffn = 0, vocab = 0;  ///< preset overrides
   /// Mixture-of-experts overrides of the preset (ModelConfig): experts (-1: the preset's; 0:
   /// dense), topk and moe_every (0: the preset's), the experts' activation ("": the preset's),
-  /// the aux-loss weight (< 0: the preset's).
+  /// the aux-loss and z-loss weights (< 0: the preset's), the router's scoring ("": the preset's),
+  /// a shared expert (false: the preset's).
   int64_t experts = -1, topk = 0, moe_every = 0;
   std::string moe_activation;
   double aux_loss_coef = -1;
+  std::string router;
+  double z_loss_coef = -1;
+  bool shared_expert = false;
   std::string data = "builtin";
   int64_t steps = 0;
   int64_t batch = 0;

@@ -11,6 +11,8 @@
 #include <cub/block/block_scan.cuh>
 
 #include "octet/core/cuda_context.h"
+#include "ops/cuda/fused_cast.cuh"
+#include "ops/cuda/quantize_tile.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_math.h"
@@ -237,6 +239,82 @@ __global__ void scaled_activation_forward_kernel(const T* fc1, const float* row_
   }
 }
 
+/// The tile quantizer's Source for one expert's rows of the scaled activation (FC2's fused FP8
+/// input): the matrix is h's rows [row0, row0 + p.rows) of expert e, each cell computed as
+/// scaled_activation_forward_kernel computes it and rounded to T, so the FP8 bytes and the amax
+/// are those of ops::quantize on that kernel's h. Also stores h when `h` is set.
+template <typename T, MoeActivation kAct>
+struct ScaledActivationTile {
+  const T* fc1;            ///< [capacity, in_cols]
+  const float* row_prob;   ///< [capacity]
+  const int32_t* row_map;  ///< [capacity, 2]
+  const float* bias;       ///< the expert's bias row [f], or nullptr
+  T* h;                    ///< optional: [capacity, f]
+  int64_t f, row0;
+  bool vec;  ///< fc1 and h 16-byte aligned, f a multiple of a 16-byte pack
+
+  using L = quant::TileLayout<T>;
+  static constexpr int kE = L::kChunkElems;
+  static constexpr bool kGated = moe::gated(kAct);
+  /// Chunks each thread stages, as in quant::load_tile.
+  static constexpr int kChunks = quant::kTile * L::kChunksPerRow / quant::kTileThreads;
+  static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
+
+  __device__ float cell(const T* x, int64_t c, float p) const {
+    float v = moe::activate<kAct>(to_float(x[c]), kGated ? to_float(x[f + c]) : 0.0f);
+    if (bias != nullptr) v = rn::add(v, bias[c]);
+    return rn::mul(v, p);
+  }
+
+  __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
+    const int64_t in_cols = kGated ? 2 * f : f;
+#pragma unroll 4
+    for (int i = 0; i < kChunks; ++i) {
+      const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;
+      const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
+      const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * kE;
+      Pack<T, kE> o;
+      const int64_t row = row0 + gr;  // the permuted row
+      // Padding rows of the group are zeros, as the unfused kernel writes them.
+      const bool live = gr < p.rows && row_map[2 * row] >= 0;
+      T* h_row = h != nullptr && gr < p.rows ? h + row * f : nullptr;
+      if (live && vec && gc + kE <= p.cols) {
+        const T* x = fc1 + row * in_cols;
+        const float prob = row_prob[row];
+        const Pack<T, kE> gate = load_pack<kE>(x + gc);
+        float v[kE];
+        if constexpr (kGated) {
+          const Pack<T, kE> up = load_pack<kE>(x + f + gc);
+#pragma unroll
+          for (int k = 0; k < kE; ++k)
+            v[k] = moe::activate<kAct>(to_float(gate.v[k]), to_float(up.v[k]));
+        } else {
+#pragma unroll
+          for (int k = 0; k < kE; ++k) v[k] = moe::activate<kAct>(to_float(gate.v[k]), 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+          if (bias != nullptr) v[k] = rn::add(v[k], bias[gc + k]);
+          v[k] = rn::mul(v[k], prob);
+        }
+        o = round_pack<T>(v);
+        if (h_row != nullptr) store_pack<kE>(h_row + gc, o);
+      } else {
+        const float prob = live ? row_prob[row] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < kE; ++k) {
+          const bool inside = gr < p.rows && gc + k < p.cols;
+          o.v[k] = live && inside ? from_float<T>(cell(fc1 + row * in_cols, gc + k, prob))
+                                  : from_float<T>(0.0f);
+          if (inside && h_row != nullptr) h_row[gc + k] = o.v[k];
+        }
+      }
+      store_pack<kE>(tile + L::chunk_offset(r, j), o);
+    }
+    __syncthreads();
+  }
+};
+
 /// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns).
 template <typename T, MoeActivation kAct>
 __global__ void scaled_activation_backward_kernel(const T* dh, const T* fc1, const float* row_prob,
@@ -445,6 +523,36 @@ void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const T
               in<int32_t>(plan.offsets), plan.experts(),
               bias.defined() ? in<float>(bias) : nullptr, h.cols(), out<T>(h));
       OCTET_CHECK_LAUNCH();
+    });
+  });
+}
+
+void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
+                                        const Tensor& row_prob, const MoePlan& plan,
+                                        const Tensor& bias, const Tensor& h,
+                                        const MoeExpertCasts& casts) {
+  const int64_t f = moe::gated(act) ? fc1.cols() / 2 : fc1.cols();
+  const int64_t grouped = casts.offsets.back();
+  if (h.defined() && h.rows() > grouped) h.slice(grouped, h.rows()).zero();
+  visit(fc1.dtype(), [&](auto type) {
+    using T = decltype(type);
+    moe::visit_activation(act, [&](auto a) {
+      using Source = ScaledActivationTile<T, decltype(a)::value>;
+      for (size_t e = 0; e < casts.experts.size(); ++e) {
+        const int64_t rows = casts.offsets[e + 1] - casts.offsets[e];
+        if (rows == 0) continue;
+        Source source{};
+        source.fc1 = in<T>(fc1);
+        source.row_prob = in<float>(row_prob);
+        source.row_map = in<int32_t>(plan.row_map);
+        source.bias = bias.defined() ? in<float>(bias) + static_cast<int64_t>(e) * f : nullptr;
+        source.h = h.defined() ? out<T>(h) : nullptr;
+        source.f = f;
+        source.row0 = casts.offsets[e];
+        source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h});
+        const FusedQuantize& target = casts.experts[e];
+        quant::quantize_tiles<T>(rows, f, *target.out, target.args, source, fc1.device());
+      }
     });
   });
 }
