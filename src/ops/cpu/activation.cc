@@ -2,21 +2,13 @@
 // scalar formulas of activation_math.h, in f32, rounded once to the tensor's dtype.
 #include "ops/activation_backend.h"
 #include "ops/activation_math.h"
+#include "ops/cpu/raw_access.h"
 
 namespace octet::ops::cpu {
 namespace {
 
 using math::from_float;
 using math::to_float;
-
-template <typename T>
-const T* in(const Tensor& t) {
-  return static_cast<const T*>(t.raw_data());
-}
-template <typename T>
-T* out(const Tensor& t) {
-  return static_cast<T*>(t.raw_data());
-}
 
 template <typename T, Activation kAct>
 void forward(const Tensor& x_t, const Tensor& y_t) {

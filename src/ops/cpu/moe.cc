@@ -8,21 +8,13 @@
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_math.h"
+#include "ops/cpu/raw_access.h"
 
 namespace octet::ops::cpu {
 namespace {
 
 using math::from_float;
 using math::to_float;
-
-template <typename T>
-const T* in(const Tensor& t) {
-  return static_cast<const T*>(t.raw_data());
-}
-template <typename T>
-T* out(const Tensor& t) {
-  return static_cast<T*>(t.raw_data());
-}
 
 /// Reads row_map's (token, slot) of permuted row r.
 struct RowSource {
