@@ -108,6 +108,12 @@ bool small_tests_only() {
   return value != nullptr && value[0] != '\0' && std::string(value) != "0";
 }
 
+int repeats(int fallback) {
+  const char* env = std::getenv("OCTET_TEST_REPEATS");
+  const int n = env != nullptr ? std::atoi(env) : 0;
+  return n >= 2 ? n : fallback;
+}
+
 std::vector<Device> all_backends() { return {Device::cpu(), Device::cuda(0)}; }
 
 namespace {

@@ -42,6 +42,10 @@ inline std::string device_name(const Device& d) {
 /// then leave out their large GPU-only shapes, which instrumentation would make far too slow.
 bool small_tests_only();
 
+/// How many runs a repeatability test makes: OCTET_TEST_REPEATS when it is at least 2, else
+/// `fallback` (a longer soak sets it higher).
+int repeats(int fallback);
+
 /// CPU tensor of `shape` and dtype f32 or bf16 with values uniform in [-scale, scale] (never all
 /// zero: a zero draw is replaced by scale/3).
 Tensor random_tensor(const Shape& shape, DType dtype, uint64_t seed, float scale = 1.0f);

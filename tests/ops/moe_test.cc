@@ -637,13 +637,8 @@ TEST(MoeExpertCasts, RefusesTargetsThatDoNotMatchThePlan) {
 
 constexpr int64_t kFieldExperts = 16, kFieldRowsPerExpert = 1024, kFieldTopk = 2,
                   kFieldHidden = 2048;
-/// Repeats of each op: OCTET_TEST_REPEATS overrides.
-constexpr int kDefaultRepeats = 8;
-
-int repeats() {
-  const char* env = std::getenv("OCTET_TEST_REPEATS");
-  return env != nullptr && std::atoi(env) > 1 ? std::atoi(env) : kDefaultRepeats;
-}
+/// Runs of each op (OCTET_TEST_REPEATS overrides).
+int repeats() { return testing::repeats(8); }
 
 /// Every element finite.
 ::testing::AssertionResult all_finite(const Tensor& t, const char* what) {
