@@ -44,10 +44,14 @@
 #                        GemmCudaAddend, where racecheck and initcheck flag cuBLASLt's own Hopper
 #                        kernels: a shared-memory hazard inside nvjet_sm90_*_bx_bias_TNN, and D's
 #                        bytes, which the test then checks against the CPU, read back as never
-#                        written, so the library's stores escape initcheck; H200, 2026-12-01),
-#                        and GroupedLinearDevice.FusedInputIsBitwiseTheUnfusedInput, where initcheck
-#                        calls y (written only by the experts' FP8 bias-epilogue GEMMs) unwritten
-#                        although the test's bitwise check of y passes (H200, 2026-12-02)
+#                        written, so the library's stores escape initcheck; H200, 2026-12-01)
+#   INITCHECK_EXCLUDE    gtest patterns initcheck leaves out (default below): tests that read a
+#                        GEMM's output which initcheck calls unwritten although the test checks
+#                        those bytes against another path bitwise and passes. On the H200
+#                        (2026-12-02) it flagged y of GroupedLinearDevice.FusedInput (the experts'
+#                        FP8 bias-epilogue GEMMs) and fc1 as read by the MoE scaled activation in
+#                        MoEFusedCast: outputs of cuBLASLt's Hopper kernels, whose stores initcheck
+#                        does not see, as with GemmCudaAddend
 #   BENCH_TIMEOUT        seconds for octet_bench (default 240; the default set takes ~1-2 min)
 #   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
 #   CONVERGENCE_TIMEOUT  seconds for the convergence stage (default 560)
@@ -73,6 +77,7 @@ TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
 SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-120}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
 SANITIZER_TOOLS=(memcheck racecheck synccheck initcheck)
+INITCHECK_EXCLUDE="${INITCHECK_EXCLUDE-*GroupedLinearDevice.FusedInputIsBitwiseTheUnfusedInput*:*MoEFusedCast.*}"
 # Exit code the sanitizer returns when it found errors (distinct from gtest's 1).
 SANITIZER_ERROR_EXITCODE=86
 
@@ -225,12 +230,19 @@ stage_sanitize() {
   {
     echo "compute-sanitizer: $sanitizer ($("$sanitizer" --version | tail -1))"
     echo "OCTET_TEST_SMALL=1, $count tests, --gtest_filter=$filter"
+    echo "initcheck leaves out: ${INITCHECK_EXCLUDE:-nothing}"
   } >>"$OUT/sanitizer.log"
   for tool in "${SANITIZER_TOOLS[@]}"; do
     tool_start=$(now)
     log="$STATE/$tool.log"
+    local tool_filter="$filter"
+    if [[ $tool == initcheck && -n "$INITCHECK_EXCLUDE" ]]; then
+      # A gtest filter has one '-', before its negative patterns.
+      [[ $filter == *-* ]] && tool_filter="$filter:$INITCHECK_EXCLUDE" ||
+        tool_filter="$filter-$INITCHECK_EXCLUDE"
+    fi
     OCTET_TEST_SMALL=1 timeout "$SANITIZER_TIMEOUT" "$sanitizer" --tool "$tool" \
-      --error-exitcode "$SANITIZER_ERROR_EXITCODE" "$TESTS_BIN" --gtest_filter="$filter" \
+      --error-exitcode "$SANITIZER_ERROR_EXITCODE" "$TESTS_BIN" --gtest_filter="$tool_filter" \
       --gtest_brief=1 >"$log" 2>&1
     rc=$?
     errors=$(error_count "$log")
