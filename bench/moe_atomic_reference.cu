@@ -17,8 +17,8 @@ constexpr int kChunk = 128;
 __global__ void atomic_dprob_kernel(const uint16_t* dh, const uint16_t* fc1, int64_t f,
                                     float* dprob) {
   __shared__ float partial[kThreads];
-  const int64_t r = blockIdx.x;
-  const int64_t j = static_cast<int64_t>(blockIdx.y) * kChunk + threadIdx.x;
+  const int64_t r = blockIdx.y;
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kChunk + threadIdx.x;
   float v = 0.0f;
   if (j < f) {
     const float gate = ops::math::to_float(fc1[r * 2 * f + j]);
@@ -41,7 +41,12 @@ void atomic_reference_dprob(const Tensor& dh, const Tensor& fc1, const Tensor& d
   static_assert(kChunk == kThreads, "one column per thread");
   const int64_t rows = dh.rows(), f = dh.cols();
   OCTET_CHECK_CUDA(cudaMemsetAsync(dprob.raw_data(), 0, dprob.nbytes(), stream));
-  const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>((f + kChunk - 1) / kChunk));
+  // A row's CTAs are neighbours in launch order, so they run at once on different SMs and their
+  // atomics race, as in a fused kernel whose tiles of one row are adjacent. With the row as the
+  // fast grid index a row's CTAs ran a wave apart, in launch order, and the sums came out the
+  // same on every run (docs/DETERMINISM.md).
+  OCTET_CHECK(rows <= 65535, "atomic_reference_dprob: at most 65535 rows (grid y), got ", rows);
+  const dim3 grid(static_cast<unsigned>((f + kChunk - 1) / kChunk), static_cast<unsigned>(rows));
   atomic_dprob_kernel<<<grid, kThreads, 0, stream>>>(
       static_cast<const uint16_t*>(dh.raw_data()), static_cast<const uint16_t*>(fc1.raw_data()), f,
       static_cast<float*>(dprob.raw_data()));
