@@ -59,6 +59,7 @@ class _LinearFunction(torch.autograd.Function):
         y, record = module._core.forward(x.detach(), mode, original, _stream(device), _to_torch)
         ctx.record, ctx.module, ctx.finalize = record, module, None
         if mode == "training":
+            module._prune_records()  # else one dead weakref per forward piles up for good
             module._records.append(weakref.ref(record))
             if scope is not None and scope.first_module is None:
                 scope.first_module = module  # its backward comes last: it ends the pass
@@ -128,8 +129,12 @@ class Linear(torch.nn.Module):
         if scope is not None:
             self._recipe = scope.recipe
 
+    def _prune_records(self):
+        """Keeps the records of forwards whose backward has not run yet."""
+        self._records = [r for r in self._records if (rec := r()) is not None and not rec.done]
+
     def _pending_record(self):
-        self._records = [r for r in self._records if r() is not None and not r().done]
+        self._prune_records()
         return self._records[-1]() if self._records else None
 
     def _prepare_grads(self, stream):

@@ -147,6 +147,16 @@ def test_no_grad_forward_leaves_the_fp8_state_alone():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_training_steps_keep_no_records_of_finished_forwards():
+    lin = ot.Linear(32, 16)
+    with octet.fp8_autocast(octet.Recipe.delayed()):
+        for _ in range(50):
+            lin(torch.randn(16, 32)).sum().backward()
+    y = lin(torch.randn(16, 32))  # a forward whose backward is still to come
+    assert len(lin._records) == 1
+    y.sum().backward()
+
+
 def _tiny_gpt(linear, device, vocab=256, dim=256, heads=4, seq=128, layers=2):
     import torch.nn as nn
     import torch.nn.functional as F
