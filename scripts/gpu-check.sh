@@ -410,9 +410,15 @@ stage_moe() {
     rc=$?
     [[ $rc -ne 0 ]] && fail moe "bench train $args exited $rc (moe.log)"
   done
+  # Where an FP8 step goes (the profile's table follows its JSON line in moe.log).
+  echo "=== octet bench train --model moe-16x2048 --precision fp8-delayed --profile" >>"$log"
+  timeout "${MOE_TIMEOUT:-150}" "$BUILD_DIR/octet" bench train --model moe-16x2048 \
+    --precision fp8-delayed --steps 5 --warmup-steps 2 --profile >>"$log" 2>&1 ||
+    fail moe "bench train --profile exited $? (moe.log)"
   python3 - "$log" >"$STATE/moe_summary.txt" <<'PY'
 import json, sys
-runs = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"bench":"train"')]
+lines = open(sys.argv[1]).read().splitlines()
+runs = [json.loads(l) for l in lines if l.startswith('{"bench":"train"')][:3]
 if len(runs) == 3:
     bf16, fp8, det = runs
     print(f"  tokens/s: bf16 {bf16['tokens_per_s']:.0f}, fp8-delayed {fp8['tokens_per_s']:.0f}, "
@@ -422,6 +428,12 @@ if len(runs) == 3:
     print(f"  peak GiB: bf16 {bf16['peak_gib']:.2f}, fp8 {fp8['peak_gib']:.2f} (target: fp8 <= bf16)")
 else:
     print(f"  {len(runs)} of 3 runs reported (moe.log)")
+table = [l for l in lines if l.startswith("op ") or "% step" in l]
+if table:
+    start = lines.index(table[0])
+    print("  fp8-delayed profile, top rows:")
+    for l in lines[start + 1:start + 9]:
+        print("    " + " ".join(l.split()))
 PY
   record moe_seconds $(($(now) - start))
 }
