@@ -328,7 +328,8 @@ stage_bindings() {
   record bindings_pytest "$(grep -E '[0-9]+ (passed|failed)' "$log" | tail -1)"
   [[ $rc -ne 0 ]] && fail bindings "pytest exited $rc (bindings.log)"
   echo "=== python/bench/bench_linear.py" >>"$log"
-  "${env[@]}" timeout 240 "${py[@]}" python/bench/bench_linear.py >"$STATE/bench_linear.json" 2>>"$log"
+  "${env[@]}" timeout 240 "${py[@]}" python/bench/bench_linear.py --profile \
+    >"$STATE/bench_linear.json" 2>>"$log"
   rc=$?
   cat "$STATE/bench_linear.json" >>"$log"
   [[ $rc -ne 0 ]] && fail bindings "bench_linear.py exited $rc (bindings.log)"

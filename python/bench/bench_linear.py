@@ -1,7 +1,8 @@
 """octet.torch.Linear against torch.nn.Linear under BF16 autocast, in one run (issue 17's targets):
 FP8 forward+backward at M = 16384, K = N = 8192, and the per-call overhead of a small Linear
 (M = 128, K = N = 1024). Prints one JSON line. Needs a GPU (or --device cpu with small --m/--k/--n
-to check that it runs).
+to check that it runs). --profile also prints, to stderr, where the small case's host time goes
+(cProfile over its forward+backward calls, and torch.profiler's CPU-side table).
 
   PYTHONPATH=python OCTET_C_LIBRARY=build/liboctet_c.so python3 python/bench/bench_linear.py
 """
@@ -45,6 +46,7 @@ def main():
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     dev = a.device
@@ -62,6 +64,37 @@ def main():
         results[name] = {"shape": [m, k, n], "octet_fp8_s": t_fp8, "torch_bf16_s": t_bf16,
                          "speedup": t_bf16 / t_fp8, "octet_tflops": flops / t_fp8 / 1e12}
     print(json.dumps(results))
+    if a.profile:
+        profile_small(dev, recipe)
+
+
+def profile_small(dev, recipe, calls=200):
+    """Where a small call's host time goes: the Python frames (cProfile), then PyTorch's ops."""
+    import cProfile
+    import pstats
+    import sys
+
+    x = torch.randn(128, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(128, 1024, device=dev, dtype=torch.bfloat16)
+    step = fwd_bwd(ot.Linear(1024, 1024, device=dev), x, dy, lambda: octet.fp8_autocast(recipe))
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    for _ in range(10):
+        step()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+        sync()
+    prof.disable()
+    print(f"=== cProfile, {calls} small forward+backward calls, by own time", file=sys.stderr)
+    pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(20)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as tp:
+        for _ in range(calls):
+            step()
+            sync()
+    print(f"=== torch.profiler, the same {calls} calls", file=sys.stderr)
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=20), file=sys.stderr)
 
 
 if __name__ == "__main__":
