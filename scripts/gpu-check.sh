@@ -158,7 +158,7 @@ stage_test() {
 select_sanitizer_tests() {
   OCTET_TEST_SMALL=1 "$TESTS_BIN" --gtest_list_tests 2>/dev/null | python3 -c '
 import re, sys
-OPS = re.compile(r"quantiz|dequantiz|amax|cast|transpose|scal|gemm|norm|activation|attention|embed|cross|optimizer|adamw|sumrows|reduce", re.I)
+OPS = re.compile(r"quantiz|dequantiz|amax|cast|transpose|scal|gemm|norm|activation|attention|embed|cross|optimizer|adamw|sumrows|reduce|copy", re.I)
 EXCLUDED = re.compile(r"format", re.I)
 SHAPE = re.compile(r"(\d+)\s*[x,]\s*(\d+)")
 MAX_ELEMENTS = 1 << 22

@@ -1,5 +1,6 @@
 #include "octet/train/step_checks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <span>
@@ -8,8 +9,8 @@
 #include "octet/core/device.h"
 #include "octet/core/error.h"
 #include "octet/core/profiler.h"
+#include "octet/ops/copy.h"
 #include "octet/ops/optimizer.h"
-#include "octet/ops/quantize.h"
 #include "octet/train/model.h"
 #include "octet/train/trainer.h"
 
@@ -84,8 +85,37 @@ std::vector<Tensor> fp8_state_tensors(const nn::FP8State& state) {
   return tensors;
 }
 
+namespace {
+
+/// dst[i] = src[i] for every pair, with one ops::copy_tensors launch per device among the sources
+/// (the states of one model normally share one), each device's pairs in the order given.
+void copy_per_device(const std::vector<Tensor>& src, const std::vector<Tensor>& dst) {
+  std::vector<Device> devices;
+  for (const Tensor& t : src)
+    if (std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+      devices.push_back(t.device());
+  if (devices.size() <= 1) {
+    ops::copy_tensors(src, dst);
+    return;
+  }
+  for (const Device& device : devices) {
+    std::vector<Tensor> from, to;
+    for (size_t i = 0; i < src.size(); ++i) {
+      if (src[i].device() != device) continue;
+      from.push_back(src[i]);
+      to.push_back(dst[i]);
+    }
+    ops::copy_tensors(from, to);
+  }
+}
+
+}  // namespace
+
 void Fp8Snapshot::capture(const std::vector<std::shared_ptr<nn::FP8State>>& states) {
   entries_.resize(states.size());
+  std::vector<Tensor> src, dst;
+  src.reserve(states.size() * 6);  // fp8_state_tensors: three tensors of each pass
+  dst.reserve(states.size() * 6);
   for (size_t i = 0; i < states.size(); ++i) {
     Entry& e = entries_[i];
     const std::vector<Tensor> tensors = fp8_state_tensors(*states[i]);
@@ -95,20 +125,24 @@ void Fp8Snapshot::capture(const std::vector<std::shared_ptr<nn::FP8State>>& stat
       for (const Tensor& t : tensors)
         e.copies.push_back(Tensor::empty(t.shape(), t.dtype(), states[i]->device()));
     }
-    // ops::cast of f32 to f32 is a stream-ordered copy on the tensors' device.
-    for (size_t j = 0; j < tensors.size(); ++j) ops::cast(tensors[j], e.copies[j]);
+    src.insert(src.end(), tensors.begin(), tensors.end());
+    dst.insert(dst.end(), e.copies.begin(), e.copies.end());
     e.calibrated[0] = states[i]->calibrated(nn::Pass::forward);
     e.calibrated[1] = states[i]->calibrated(nn::Pass::backward);
   }
+  copy_per_device(src, dst);
 }
 
 void Fp8Snapshot::restore() const {
+  std::vector<Tensor> src, dst;
   for (const Entry& e : entries_) {
     const std::vector<Tensor> tensors = fp8_state_tensors(*e.state);
-    for (size_t j = 0; j < tensors.size(); ++j) ops::cast(e.copies[j], tensors[j]);
+    src.insert(src.end(), e.copies.begin(), e.copies.end());
+    dst.insert(dst.end(), tensors.begin(), tensors.end());
     e.state->set_calibrated(nn::Pass::forward, e.calibrated[0]);
     e.state->set_calibrated(nn::Pass::backward, e.calibrated[1]);
   }
+  copy_per_device(src, dst);
 }
 
 // ----------------------------------------------------------------------------

@@ -30,8 +30,9 @@ enum class SkipReason : uint8_t { none, nonfinite_loss, nonfinite_grad, nonfinit
 const char* skip_reason_name(SkipReason reason);
 
 /// The FP8 state of a set of modules that the next steps compute with (scale, scale_inv and amax
-/// history of both passes), copied on each state's own device with stream-ordered copies (no host
-/// sync), so a skipped step can put every byte back. Each state's last amax (statistics of the
+/// history of both passes), copied on each state's own device by one stream-ordered
+/// ops::copy_tensors launch per device for all states (no host sync), so a skipped step can put
+/// every byte back. Each state's last amax (statistics of the
 /// last pass, FP8State::last_amax) is not kept: after a skip it reports the skipped pass, which
 /// is what that step's metrics should show, and the next pass overwrites it whole.
 class Fp8Snapshot {

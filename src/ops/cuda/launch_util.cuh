@@ -1,7 +1,9 @@
-// Grid arithmetic shared by the GEMM families' small elementwise kernels (one thread per element,
-// 1-D grids of kThreadsPerBlock threads).
+// Launch arithmetic shared by the CUDA backends: grids of the GEMM families' small elementwise
+// kernels (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what a
+// launch may pass in its parameters.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "octet/core/error.h"
@@ -9,6 +11,12 @@
 namespace octet::ops::cuda {
 
 inline constexpr int kThreadsPerBlock = 256;
+
+/// Bytes of parameters one kernel launch may take: 32,764 since CUDA 12.1 on Volta and newer
+/// (CUDA C++ Programming Guide, "Function Parameters"); octet builds for sm_90 with CUDA 13. The
+/// multi-tensor kernels pass their lists by value up to this size, so a launch needs no
+/// descriptor table uploaded first.
+inline constexpr size_t kMaxKernelParamBytes = 32764;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -18,6 +26,22 @@ inline unsigned int grid_for(int64_t n) {
   const int64_t blocks = ceil_div(n, kThreadsPerBlock);
   OCTET_CHECK(blocks <= INT32_MAX, "kernel over ", n, " elements exceeds the 1-D grid limit");
   return static_cast<unsigned int>(blocks);
+}
+
+/// The entry of a multi-tensor launch that CTA `block` works on: entry j owns the CTAs
+/// [first[j], first[j + 1]), so it is the last j < count with first[j] <= block (first strictly
+/// increases: every entry has at least one CTA). A binary search, uniform over the CTA.
+__device__ __forceinline__ int owning_entry(const int32_t* first, int count, int block) {
+  int lo = 0, hi = count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
 }
 
 __device__ __forceinline__ int64_t global_index() {

@@ -12,6 +12,7 @@
 #include "octet/core/cuda_context.h"
 #include "octet/fp8/scaling_math.h"
 #include "ops/cuda/fp8_kernels.cuh"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/optimizer_backend.h"
 #include "ops/quantize_backend.h"
@@ -21,9 +22,6 @@ namespace {
 
 /// Threads per block of the element-wise AdamW kernel.
 constexpr int kAdamWThreads = 256;
-/// Bytes of parameters one kernel launch may take: 32,764 since CUDA 12.1 on Volta and newer
-/// (CUDA C++ Programming Guide, "Function Parameters"); octet builds for sm_90 with CUDA 13.
-constexpr size_t kMaxKernelParamBytes = 32764;
 /// Tensors per launch of the AdamW kernel: as many as fit in the parameters (81 bytes each with
 /// the FP8 cast's and the bf16 copy's pointers), so GPT-2 1.5B's 580 parameter tensors take two
 /// launches.
@@ -77,8 +75,6 @@ struct AdamWBatch {
 static_assert(sizeof(AdamWBatch) + sizeof(const float*) + sizeof(AdamWCoefficients) <=
                   kMaxKernelParamBytes,
               "the AdamW kernel's parameters exceed the launch limit");
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ----------------------------------------------------------------------------
 // CUDA kernels
@@ -181,19 +177,8 @@ struct Bf16Chunk {
 __global__ void __launch_bounds__(kAdamWThreads)
     adamw_multi_tensor_kernel(const __grid_constant__ AdamWBatch batch,
                               const float* __restrict__ norm_sq, const AdamWCoefficients c) {
-  // This CTA's tensor: the last j with first_chunk[j] <= chunk (first_chunk strictly increases,
-  // every tensor being non-empty). The search is uniform over the CTA.
   const int chunk = static_cast<int>(blockIdx.x);
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.first_chunk[mid] <= chunk) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  const int j = lo;
+  const int j = owning_entry(batch.first_chunk, batch.count, chunk);
   const int64_t begin = static_cast<int64_t>(chunk - batch.first_chunk[j]) * kAdamWChunk;
   const int n = static_cast<int>(min(kAdamWChunk, batch.numel[j] - begin));
   float* __restrict__ param = batch.param[j] + begin;
