@@ -1,5 +1,8 @@
 #include "octet/core/allocator.h"
 
+#include <malloc.h>  // malloc_usable_size (glibc): a host block's size at free
+
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +16,18 @@
 namespace octet {
 namespace {
 size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+/// Bytes of host tensor memory held now and the most held since the last reset: the CPU's
+/// counterpart of the CUDA pool's used-memory high-water mark.
+std::atomic<size_t> g_host_live{0};
+std::atomic<size_t> g_host_peak{0};
+
+void add_host_bytes(size_t bytes) {
+  const size_t live = g_host_live.fetch_add(bytes) + bytes;
+  size_t peak = g_host_peak.load();
+  while (live > peak && !g_host_peak.compare_exchange_weak(peak, live)) {
+  }
+}
 }  // namespace
 
 void* device_alloc(size_t bytes, const Device& device) {
@@ -20,6 +35,7 @@ void* device_alloc(size_t bytes, const Device& device) {
   if (device.is_cpu()) {
     void* ptr = std::aligned_alloc(kHostAlignment, round_up(bytes, kHostAlignment));
     OCTET_CHECK(ptr != nullptr, "out of host memory allocating ", bytes, " bytes");
+    add_host_bytes(malloc_usable_size(ptr));
     return ptr;
   }
 #if OCTET_WITH_CUDA
@@ -46,6 +62,7 @@ void* device_alloc(size_t bytes, const Device& device) {
 void device_free(void* ptr, const Device& device) noexcept {
   if (ptr == nullptr) return;
   if (device.is_cpu()) {
+    g_host_live.fetch_sub(malloc_usable_size(ptr));
     std::free(ptr);
     return;
   }
@@ -59,7 +76,7 @@ void device_free(void* ptr, const Device& device) noexcept {
 }
 
 size_t device_peak_bytes(const Device& device) {
-  if (device.is_cpu()) return 0;
+  if (device.is_cpu()) return g_host_peak.load();
 #if OCTET_WITH_CUDA
   cudaMemPool_t pool;
   OCTET_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));
@@ -72,7 +89,10 @@ size_t device_peak_bytes(const Device& device) {
 }
 
 void reset_device_peak(const Device& device) {
-  if (device.is_cpu()) return;
+  if (device.is_cpu()) {
+    g_host_peak.store(g_host_live.load());
+    return;
+  }
 #if OCTET_WITH_CUDA
   cudaMemPool_t pool;
   OCTET_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));

@@ -474,6 +474,17 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     profiler::set_enabled(false);
     print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
   }
+  const auto gib = [](const auto& tensors, auto field) {
+    double bytes = 0;
+    for (const auto& t : tensors) bytes += static_cast<double>((t.*field).nbytes());
+    return bytes / (1 << 30);
+  };
+  const auto moments = [&] {
+    double bytes = 0;
+    for (const auto* list : {&s.adam_m, &s.adam_v})
+      for (const Tensor& t : *list) bytes += t.defined() ? static_cast<double>(t.nbytes()) : 0.0;
+    return bytes / (1 << 30);
+  };
   TrainBenchResult result{config.preset,
                           precision.name(),
                           device.str(),
@@ -485,7 +496,10 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           o.recompute,
                           median,
                           static_cast<double>(device_peak_bytes(device)) / (1 << 30),
-                          loss};
+                          loss,
+                          {.weights = gib(s.params, &Parameter::value),
+                           .gradients = gib(s.params, &Parameter::grad),
+                           .optimizer = moments()}};
   print_train_bench(result);
 }
 

@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <filesystem>
 #include <string>
@@ -32,6 +34,23 @@ void expect_one_error_line(const CliResult& r, const std::string& fragment) {
   EXPECT_EQ(r.output.rfind("octet: error: ", 0), 0u) << r.output;
   EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
   EXPECT_THAT(r.output, HasSubstr(fragment));
+}
+
+TEST(Cli, BenchTrainBreaksThePeakDownByKind) {
+  const CliResult r = testing::run_shell("'" OCTET_CLI_PATH "' bench train --model tiny --device cpu "
+                                         "--steps 2 --warmup-steps 1 2>/dev/null");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output.substr(r.output.rfind("{\"bench\"")));
+  const nlohmann::json& kind = j.at("peak_by_kind_gib");
+  // FP32 masters, FP32 gradients, two FP32 moments: 4, 4 and 8 bytes a parameter (printed to
+  // 1e-4 GiB).
+  const double weights = static_cast<double>(j.at("params").get<int64_t>()) * 4 / (1 << 30);
+  EXPECT_NEAR(kind.at("weights").get<double>(), weights, 1e-4);
+  EXPECT_NEAR(kind.at("gradients").get<double>(), weights, 1e-4);
+  EXPECT_NEAR(kind.at("optimizer").get<double>(), 2 * weights, 1e-4);
+  // The host peak holds all of that and the activations besides.
+  EXPECT_GT(kind.at("activations_and_other").get<double>(), 0.0) << r.output;
+  EXPECT_GT(j.at("peak_gib").get<double>(), 4 * weights) << r.output;
 }
 
 TEST(Cli, UnknownFlagIsOneLineAndExitCode2) {

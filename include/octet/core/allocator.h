@@ -18,9 +18,10 @@ void* device_alloc(size_t bytes, const Device& device);
 /// Frees memory from device_alloc. Never throws.
 void device_free(void* ptr, const Device& device) noexcept;
 
-/// Most bytes held in `device`'s CUDA memory pool at once since the last reset (0 for the CPU).
+/// Most bytes held at once since the last reset: in `device`'s CUDA memory pool, or for the CPU
+/// in host tensor memory (all host devices together, as malloc counts the blocks).
 size_t device_peak_bytes(const Device& device);
-/// Starts a new peak measurement for `device` (no-op for the CPU).
+/// Starts a new peak measurement for `device` from what is held now.
 void reset_device_peak(const Device& device);
 
 /// Copies `bytes` between any two devices and waits for the copy to finish.

@@ -29,12 +29,21 @@ void print_arithmetic_skill(GPT& model);
 /// stderr.
 void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms);
 
+/// Peak memory of a training run by kind, in GiB. weights, gradients and optimizer are the
+/// bytes of those tensors (FP32 masters, their gradients, the AdamW moments), held for the whole
+/// run; the rest of the peak is activations, FP8 and BF16 copies, temporaries and the GEMM
+/// workspace.
+struct MemoryByKind {
+  double weights = 0, gradients = 0, optimizer = 0;
+};
+
 /// What `octet bench train` measured, printed as its one JSON line.
 struct TrainBenchResult {
   std::string model, precision, device;
   int64_t batch = 0, seq = 0, accum = 0, steps = 0, params = 0;
   bool recompute = false;
   double tokens_per_s = 0, peak_gib = 0, last_loss = 0;
+  MemoryByKind memory;
 };
 void print_train_bench(const TrainBenchResult& r);
 
