@@ -437,6 +437,9 @@ if len(runs) == 3:
     print(f"  fp8 / bf16 {fp8['tokens_per_s'] / bf16['tokens_per_s']:.3f}x (target >= 1.4); "
           f"--deterministic costs {100 * (1 - det['tokens_per_s'] / fp8['tokens_per_s']):+.2f}% (target <= 1%)")
     print(f"  peak GiB: bf16 {bf16['peak_gib']:.2f}, fp8 {fp8['peak_gib']:.2f} (target: fp8 <= bf16)")
+    for name, run in (("bf16", bf16), ("fp8", fp8)):
+        kinds = run.get("peak_by_kind_gib", {})
+        print(f"  {name} peak by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
 else:
     print(f"  {len(runs)} of 3 runs reported (moe.log)")
 table = [l for l in lines if l.startswith("op ") or "% step" in l]
