@@ -64,7 +64,8 @@ def run(args, compiled):
     # the reported loss is large, which changes no FLOP or byte of the step being timed.
     torch.manual_seed(0)
     layers, dim, heads = PRESETS[args.model]
-    model = GPT(layers, dim, heads, args.vocab, 1024).cuda()
+    # The position table grows past GPT-2's 1024 for longer sequences, as octet's does.
+    model = GPT(layers, dim, heads, args.vocab, max(1024, args.seq)).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=True)
     step_model = torch.compile(model) if compiled else model
