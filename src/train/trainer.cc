@@ -76,7 +76,7 @@ json moe_statistics(const GPT& model) {
   return stats;
 }
 
-void check_run_shape(const TrainOptions& o, const ModelConfig& config, const Precision& p) {
+void check_run_shape(const TrainOptions& o, const Precision& p) {
   OCTET_CHECK(o.steps > 0 && o.batch > 0 && o.seq > 0 && o.accum > 0,
               "steps, batch, seq and accum must be positive, got steps ", o.steps, ", batch ",
               o.batch, ", seq ", o.seq, ", accum ", o.accum);
@@ -283,7 +283,7 @@ RunSetup prepare_run(const TrainOptions& requested) {
   run.unfused = nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse);
   run.data = make_token_source(o.data, o.seed);
   run.config = resolve_model_config(o, run.data->vocab_size());
-  check_run_shape(o, run.config, run.precision);
+  check_run_shape(o, run.precision);
   return run;
 }
 /// Runs `body`, turning a failed GPU allocation into advice for this run's options.
