@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
+#include <initializer_list>
+#include <type_traits>
 
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
@@ -148,29 +150,40 @@ __global__ void dispatch_kernel(const Unit* x, const int32_t* row_map, int64_t u
     permuted[r * units + c] = t < 0 ? Unit{} : x[t * units + c];
 }
 
-template <typename T>
-__global__ void dispatch_backward_kernel(const T* d_permuted, const int32_t* slot_row,
-                                         int64_t dim, int64_t topk, T* dx) {
-  const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < topk; ++s)
-      acc = rn::add(acc, to_float(d_permuted[slot_row[t * topk + s] * dim + c]));
-    dx[t * dim + c] = from_float<T>(acc);
-  }
-}
+/// Slots whose rows a thread loads before it adds them: top-2 in one batch. Larger batches cost
+/// registers (top-4 takes 64 a thread for bf16) and so CTAs per SM.
+constexpr int kSlotBatch = 2;
 
-template <typename T>
-__global__ void combine_kernel(const T* expert_out, const float* prob, const int32_t* slot_row,
-                               int64_t dim, int64_t topk, T* y) {
+/// y[t] = the sum over token t's slots, in slot order, of prob * rows[slot's row] (the row alone
+/// without prob: dispatch's backward). A thread owns packs of kN columns and issues the loads of
+/// up to kSlotBatch slots before their adds, so each thread has top-k packs in flight.
+template <typename T, int kN>
+__global__ void combine_kernel(const T* __restrict__ rows, const float* __restrict__ prob,
+                               const int32_t* __restrict__ slot_row, int64_t dim, int64_t topk,
+                               T* __restrict__ y) {
   const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < topk; ++s) {
-      const float v = to_float(expert_out[slot_row[t * topk + s] * dim + c]);
-      acc = rn::add(acc, prob != nullptr ? rn::mul(prob[t * topk + s], v) : v);
+  const int32_t* slots = slot_row + t * topk;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * kN; c < dim; c += blockDim.x * kN) {
+    float acc[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
+    for (int64_t s0 = 0; s0 < topk; s0 += kSlotBatch) {
+      Pack<T, kN> v[kSlotBatch];  // raw, so that a pack of bf16 takes 4 registers, not 8
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b)
+        if (s0 + b < topk) v[b] = load_pack<kN>(rows + slots[s0 + b] * dim + c);
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (s0 + b >= topk) continue;
+        const float w = prob != nullptr ? prob[t * topk + s0 + b] : 1.0f;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          const float x = to_float(v[b].v[k]);
+          acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
+        }
+      }
     }
-    y[t * dim + c] = from_float<T>(acc);
+    store_pack<kN>(y + t * dim + c, round_pack<T>(acc));
   }
 }
 
@@ -388,6 +401,32 @@ void visit(DType dtype, F&& f) {
   math::visit_dtype(dtype, std::forward<F>(f));
 }
 
+/// Runs f(std::integral_constant<int, kN>{}) with kN = kVectorWidth<T> when the rows of `dim`
+/// elements from each pointer are whole 16-byte packs, else kN = 1.
+template <typename T, typename F>
+void with_pack(int64_t dim, std::initializer_list<const void*> rows, F&& f) {
+  if (dim % kVectorWidth<T> == 0 && vector_aligned(rows)) {
+    f(std::integral_constant<int, kVectorWidth<T>>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
+/// y = the (prob-weighted, when prob is defined) sum of each token's rows of `rows`.
+void combine(const Tensor& rows, const Tensor& prob, const MoePlan& plan, const Tensor& y) {
+  const cudaStream_t stream = octet::cuda::stream(y.device());
+  visit(y.dtype(), [&](auto type) {
+    using T = decltype(type);
+    with_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
+      combine_kernel<T, decltype(pack)::value>
+          <<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
+              in<T>(rows), prob.defined() ? in<float>(prob) : nullptr,
+              in<int32_t>(plan.slot_row), y.cols(), plan.slot_row.size(1), out<T>(y));
+      OCTET_CHECK_LAUNCH();
+    });
+  });
+}
+
 }  // namespace
 
 void router_forward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& o) {
@@ -460,26 +499,12 @@ void moe_dispatch(const Tensor& x, const MoePlan& plan, const Tensor& permuted) 
 }
 
 void moe_dispatch_backward(const Tensor& d_permuted, const MoePlan& plan, const Tensor& dx) {
-  const cudaStream_t stream = octet::cuda::stream(dx.device());
-  visit(dx.dtype(), [&](auto type) {
-    using T = decltype(type);
-    dispatch_backward_kernel<T><<<static_cast<unsigned>(dx.rows()), kThreads, 0, stream>>>(
-        in<T>(d_permuted), in<int32_t>(plan.slot_row), dx.cols(), plan.slot_row.size(1),
-        out<T>(dx));
-    OCTET_CHECK_LAUNCH();
-  });
+  combine(d_permuted, Tensor(), plan, dx);
 }
 
 void moe_combine(const Tensor& expert_out, const Tensor& prob, const MoePlan& plan,
                  const Tensor& y) {
-  const cudaStream_t stream = octet::cuda::stream(y.device());
-  visit(y.dtype(), [&](auto type) {
-    using T = decltype(type);
-    combine_kernel<T><<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
-        in<T>(expert_out), prob.defined() ? in<float>(prob) : nullptr,
-        in<int32_t>(plan.slot_row), y.cols(), plan.slot_row.size(1), out<T>(y));
-    OCTET_CHECK_LAUNCH();
-  });
+  combine(expert_out, prob, plan, y);
 }
 
 void moe_combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& prob,
