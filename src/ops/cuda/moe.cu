@@ -43,6 +43,84 @@ T* out(const Tensor& t) {
 }
 
 // ----------------------------------------------------------------------------
+// Rows in packs: a row kernel gives each thread kN consecutive elements, kN = kVectorWidth<T> (one
+// 16-byte access) when every row allows it (with_pack), else kN = 1, the element-wise fallback.
+// Both do the same float operations on every element.
+
+/// The kN elements at p (aligned to the pack) as floats.
+template <int kN, typename T>
+__device__ __forceinline__ void load_floats(const T* p, float (&v)[kN]) {
+  const Pack<T, kN> pack = load_pack<kN>(p);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) v[k] = to_float(pack.v[k]);
+}
+
+/// Stores from_float<T>(0) at p[0, kN).
+template <int kN, typename T>
+__device__ __forceinline__ void store_zeros(T* p) {
+  store_pack<kN>(p, Pack<T, kN>{});
+}
+
+/// Step 1 of fixed_order_reduce.h's order when a row's terms are computed in packs. The row goes
+/// by chunks of kLanes * kN elements; thread i holds the terms of the chunk's elements [kN i,
+/// kN i + kN), of which the first `valid` exist, and lane t must fold elements t, t + kLanes, ...
+/// in increasing order. The terms cross through `stage` (kLanes * kN floats, 16-byte aligned), so
+/// over the chunks of a row lane t adds exactly the elements t + m kLanes, m = 0, 1, ..., in order,
+/// as fixed_order_reduce_block does. kN = 1 needs no exchange. Contains barriers for kN > 1: call
+/// it from every thread of the CTA.
+template <int kN>
+__device__ __forceinline__ float fold_chunk(float lane, const float (&term)[kN], int64_t valid,
+                                           float* stage) {
+  const int t = static_cast<int>(threadIdx.x);
+  if constexpr (kN == 1) {
+    return t < valid ? SumOp{}(lane, term[0]) : lane;
+  } else {
+    if (static_cast<int64_t>(t) * kN < valid) {
+      Pack<float, kN> pack;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) pack.v[k] = term[k];
+      store_pack<kN>(stage + t * kN, pack);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if (t + j * kLanes < valid) lane = SumOp{}(lane, stage[t + j * kLanes]);
+    __syncthreads();  // the next chunk, or the tree, rewrites stage
+    return lane;
+  }
+}
+
+/// The activation's inputs at columns [j, j + kN) of one fc1 row x, as floats: the gate x[j..] and,
+/// for the gated activations, up x[f + j..] (otherwise 0, which activate ignores).
+template <MoeActivation kAct, int kN>
+struct ActivationIn {
+  float gate[kN], up[kN];
+
+  template <typename T>
+  __device__ ActivationIn(const T* x, int64_t f, int64_t j) {
+    load_floats<kN>(x + j, gate);
+    if constexpr (moe::gated(kAct)) {
+      load_floats<kN>(x + f + j, up);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) up[k] = 0.0f;
+    }
+  }
+
+  /// v = act(gate, up), plus bias[j..] when bias (the expert's row) is set: h before the row's
+  /// prob.
+  __device__ void value(const float* bias, int64_t j, float (&v)[kN]) const {
+    float b[kN];
+    if (bias != nullptr) load_floats<kN>(bias + j, b);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      v[k] = moe::activate<kAct>(gate[k], up[k]);
+      if (bias != nullptr) v[k] = rn::add(v[k], b[k]);
+    }
+  }
+};
+
+// ----------------------------------------------------------------------------
 // CUDA kernels: router
 
 __global__ void router_forward_kernel(const float* logits, const float* bias, int64_t tokens,
@@ -188,29 +266,40 @@ __global__ void combine_kernel(const T* __restrict__ rows, const float* __restri
 }
 
 /// CTA r: d_expert_out[r] = prob * dy[token] (0 for padding) and dprob[token, slot] = <dy[token],
-/// expert_out[r]> in the fixed order.
-template <typename T>
-__global__ void combine_backward_kernel(const T* dy, const T* expert_out, const float* prob,
-                                        const int32_t* row_map, int64_t dim, int64_t topk,
-                                        T* d_expert_out, float* dprob) {
-  __shared__ float shared[kLanes];
+/// expert_out[r]> in the fixed order; packs of kN columns, one pass over the row.
+template <typename T, int kN>
+__global__ void combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ expert_out,
+                                        const float* __restrict__ prob,
+                                        const int32_t* __restrict__ row_map, int64_t dim,
+                                        int64_t topk, T* __restrict__ d_expert_out,
+                                        float* __restrict__ dprob) {
+  __shared__ __align__(kVectorBytes) float stage[kLanes * kN];
   const int64_t r = blockIdx.x;
   const int32_t t = row_map[2 * r], s = row_map[2 * r + 1];
-  const float p = t >= 0 && prob != nullptr ? prob[t * topk + s] : 1.0f;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    if (t < 0) {
-      d_expert_out[r * dim + c] = from_float<T>(0.0f);
-    } else {
-      const float g = to_float(dy[t * dim + c]);
-      d_expert_out[r * dim + c] = from_float<T>(prob != nullptr ? rn::mul(p, g) : g);
+  const bool dot = t >= 0 && prob != nullptr;  // uniform across the CTA
+  const float p = dot ? prob[t * topk + s] : 1.0f;
+  float lane = SumOp::identity<float>();
+  for (int64_t c0 = 0; c0 < dim; c0 += kLanes * kN) {
+    const int64_t c = c0 + static_cast<int64_t>(threadIdx.x) * kN;
+    float term[kN] = {};
+    if (c < dim && t < 0) {
+      store_zeros<kN>(d_expert_out + r * dim + c);
+    } else if (c < dim) {
+      float g[kN], e[kN], d[kN];
+      load_floats<kN>(dy + t * dim + c, g);
+      if (dot) load_floats<kN>(expert_out + r * dim + c, e);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        d[k] = prob != nullptr ? rn::mul(p, g[k]) : g[k];
+        if (dot) term[k] = rn::mul(g[k], e[k]);
+      }
+      store_pack<kN>(d_expert_out + r * dim + c, round_pack<T>(d));
     }
+    if (dot) lane = fold_chunk<kN>(lane, term, dim - c0, stage);
   }
-  if (t < 0 || prob == nullptr) return;  // uniform across the CTA
-  const float dot = fixed_order_reduce_block<kLanes, float>(
-      dim, SumOp{},
-      [&](int64_t c) { return rn::mul(to_float(dy[t * dim + c]), to_float(expert_out[r * dim + c])); },
-      shared);
-  if (threadIdx.x == 0) dprob[t * topk + s] = dot;
+  if (!dot) return;
+  const float sum = fixed_order_tree<kLanes>(lane, SumOp{}, stage);
+  if (threadIdx.x == 0) dprob[t * topk + s] = sum;
 }
 
 __global__ void gather_row_probs_kernel(const float* prob, const int32_t* row_map, int64_t rows,
@@ -230,25 +319,29 @@ __global__ void scatter_row_probs_kernel(const float* d_row_prob, const int32_t*
 // ----------------------------------------------------------------------------
 // CUDA kernels: scaled activation (one CTA per permuted row)
 
-template <typename T, MoeActivation kAct>
-__global__ void scaled_activation_forward_kernel(const T* fc1, const float* row_prob,
-                                                 const int32_t* row_map, const int32_t* offsets,
-                                                 int64_t experts, const float* bias, int64_t f,
-                                                 T* h) {
-  constexpr bool kGated = moe::gated(kAct);
-  const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
+template <typename T, MoeActivation kAct, int kN>
+__global__ void scaled_activation_forward_kernel(const T* __restrict__ fc1,
+                                                 const float* __restrict__ row_prob,
+                                                 const int32_t* __restrict__ row_map,
+                                                 const int32_t* __restrict__ offsets,
+                                                 int64_t experts, const float* __restrict__ bias,
+                                                 int64_t f, T* __restrict__ h) {
+  const int64_t r = blockIdx.x, in_cols = moe::gated(kAct) ? 2 * f : f;
   const int32_t e = moe::expert_of_row(offsets, experts, r);
   const bool padding = row_map[2 * r] < 0 || e < 0;
   const T* x = fc1 + r * in_cols;
+  const float* b = bias != nullptr && !padding ? bias + e * f : nullptr;
   const float p = row_prob[r];
-  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < f; j += blockDim.x * kN) {
     if (padding) {
-      h[r * f + j] = from_float<T>(0.0f);
+      store_zeros<kN>(h + r * f + j);
       continue;
     }
-    float v = moe::activate<kAct>(to_float(x[j]), kGated ? to_float(x[f + j]) : 0.0f);
-    if (bias != nullptr) v = rn::add(v, bias[e * f + j]);
-    h[r * f + j] = from_float<T>(rn::mul(v, p));
+    float v[kN];
+    ActivationIn<kAct, kN>(x, f, j).value(b, j, v);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] = rn::mul(v[k], p);
+    store_pack<kN>(h + r * f + j, round_pack<T>(v));
   }
 }
 
@@ -264,7 +357,7 @@ struct ScaledActivationTile {
   const float* bias;       ///< the expert's bias row [f], or nullptr
   T* h;                    ///< optional: [capacity, f]
   int64_t f, row0;
-  bool vec;  ///< fc1 and h 16-byte aligned, f a multiple of a 16-byte pack
+  bool vec;  ///< fc1, h and bias 16-byte aligned, f a multiple of a 16-byte pack
 
   using L = quant::TileLayout<T>;
   static constexpr int kE = L::kChunkElems;
@@ -272,12 +365,6 @@ struct ScaledActivationTile {
   /// Chunks each thread stages, as in quant::load_tile.
   static constexpr int kChunks = quant::kTile * L::kChunksPerRow / quant::kTileThreads;
   static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
-
-  __device__ float cell(const T* x, int64_t c, float p) const {
-    float v = moe::activate<kAct>(to_float(x[c]), kGated ? to_float(x[f + c]) : 0.0f);
-    if (bias != nullptr) v = rn::add(v, bias[c]);
-    return rn::mul(v, p);
-  }
 
   __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
     const int64_t in_cols = kGated ? 2 * f : f;
@@ -292,24 +379,11 @@ struct ScaledActivationTile {
       const bool live = gr < p.rows && row_map[2 * row] >= 0;
       T* h_row = h != nullptr && gr < p.rows ? h + row * f : nullptr;
       if (live && vec && gc + kE <= p.cols) {
-        const T* x = fc1 + row * in_cols;
         const float prob = row_prob[row];
-        const Pack<T, kE> gate = load_pack<kE>(x + gc);
         float v[kE];
-        if constexpr (kGated) {
-          const Pack<T, kE> up = load_pack<kE>(x + f + gc);
+        ActivationIn<kAct, kE>(fc1 + row * in_cols, f, gc).value(bias, gc, v);
 #pragma unroll
-          for (int k = 0; k < kE; ++k)
-            v[k] = moe::activate<kAct>(to_float(gate.v[k]), to_float(up.v[k]));
-        } else {
-#pragma unroll
-          for (int k = 0; k < kE; ++k) v[k] = moe::activate<kAct>(to_float(gate.v[k]), 0.0f);
-        }
-#pragma unroll
-        for (int k = 0; k < kE; ++k) {
-          if (bias != nullptr) v[k] = rn::add(v[k], bias[gc + k]);
-          v[k] = rn::mul(v[k], prob);
-        }
+        for (int k = 0; k < kE; ++k) v[k] = rn::mul(v[k], prob);
         o = round_pack<T>(v);
         if (h_row != nullptr) store_pack<kE>(h_row + gc, o);
       } else {
@@ -317,8 +391,12 @@ struct ScaledActivationTile {
 #pragma unroll
         for (int k = 0; k < kE; ++k) {
           const bool inside = gr < p.rows && gc + k < p.cols;
-          o.v[k] = live && inside ? from_float<T>(cell(fc1 + row * in_cols, gc + k, prob))
-                                  : from_float<T>(0.0f);
+          float v[1] = {0.0f};
+          if (live && inside) {
+            ActivationIn<kAct, 1>(fc1 + row * in_cols, f, gc + k).value(bias, gc + k, v);
+            v[0] = rn::mul(v[0], prob);
+          }
+          o.v[k] = from_float<T>(v[0]);
           if (inside && h_row != nullptr) h_row[gc + k] = o.v[k];
         }
       }
@@ -328,54 +406,81 @@ struct ScaledActivationTile {
   }
 };
 
-/// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns).
-template <typename T, MoeActivation kAct>
-__global__ void scaled_activation_backward_kernel(const T* dh, const T* fc1, const float* row_prob,
-                                                  const int32_t* row_map, const int32_t* offsets,
-                                                  int64_t experts, const float* bias, int64_t f,
-                                                  T* dfc1, float* d_row_prob) {
-  __shared__ float shared[kLanes];
+/// CTAs per SM that the backward's register budget must allow (64 registers a thread): bf16
+/// swiglu takes 72 unbounded, which fits 3, and fits 64 without spilling.
+constexpr int kBackwardCtasPerSm = 4;
+
+/// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns), from
+/// one pass over packs of kN columns of the row.
+template <typename T, MoeActivation kAct, int kN>
+__global__ void __launch_bounds__(kLanes, kBackwardCtasPerSm) scaled_activation_backward_kernel(const T* __restrict__ dh,
+                                                  const T* __restrict__ fc1,
+                                                  const float* __restrict__ row_prob,
+                                                  const int32_t* __restrict__ row_map,
+                                                  const int32_t* __restrict__ offsets,
+                                                  int64_t experts, const float* __restrict__ bias,
+                                                  int64_t f, T* __restrict__ dfc1,
+                                                  float* __restrict__ d_row_prob) {
+  __shared__ __align__(kVectorBytes) float stage[kLanes * kN];
   constexpr bool kGated = moe::gated(kAct);
   const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
   const int32_t e = moe::expert_of_row(offsets, experts, r);
+  T* d = dfc1 + r * in_cols;
   if (row_map[2 * r] < 0 || e < 0) {  // uniform across the CTA
-    for (int64_t j = threadIdx.x; j < in_cols; j += blockDim.x)
-      dfc1[r * in_cols + j] = from_float<T>(0.0f);
+    for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < in_cols; j += blockDim.x * kN)
+      store_zeros<kN>(d + j);
     if (threadIdx.x == 0) d_row_prob[r] = 0.0f;
     return;
   }
   const T* x = fc1 + r * in_cols;
-  const T* g = dh + r * f;
+  const float* b = bias != nullptr ? bias + e * f : nullptr;
   const float p = row_prob[r];
-  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
-    float dgate = 0.0f, dup = 0.0f;
-    moe::activate_grad<kAct>(rn::mul(to_float(g[j]), p), to_float(x[j]),
-                             kGated ? to_float(x[f + j]) : 0.0f, dgate, dup);
-    dfc1[r * in_cols + j] = from_float<T>(dgate);
-    if constexpr (kGated) dfc1[r * in_cols + f + j] = from_float<T>(dup);
+  float lane = SumOp::identity<float>();
+  for (int64_t j0 = 0; j0 < f; j0 += kLanes * kN) {
+    const int64_t j = j0 + static_cast<int64_t>(threadIdx.x) * kN;
+    float term[kN] = {};
+    if (j < f) {
+      const ActivationIn<kAct, kN> a(x, f, j);
+      float g[kN], dgate[kN], dup[kN], v[kN];
+      load_floats<kN>(dh + r * f + j, g);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        dgate[k] = dup[k] = 0.0f;
+        moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+      }
+      store_pack<kN>(d + j, round_pack<T>(dgate));
+      if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
+      a.value(b, j, v);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) term[k] = rn::mul(g[k], v[k]);
+    }
+    lane = fold_chunk<kN>(lane, term, f - j0, stage);
   }
-  const float dot = fixed_order_reduce_block<kLanes, float>(
-      f, SumOp{},
-      [&](int64_t j) {
-        float v = moe::activate<kAct>(to_float(x[j]), kGated ? to_float(x[f + j]) : 0.0f);
-        if (bias != nullptr) v = rn::add(v, bias[e * f + j]);
-        return rn::mul(to_float(g[j]), v);
-      },
-      shared);
+  const float dot = fixed_order_tree<kLanes>(lane, SumOp{}, stage);
   if (threadIdx.x == 0) d_row_prob[r] = dot;
 }
 
-/// Pass 1 of dbias: partial[tile, j] = sum over the tile's mapped rows, in order, of dh * prob.
-template <typename T>
-__global__ void dbias_tile_partials_kernel(const T* dh, const float* row_prob,
-                                           const int32_t* row_map, int64_t f, float* partial) {
+/// Pass 1 of dbias: partial[tile, j] = sum over the tile's mapped rows, in order, of dh * prob; a
+/// thread owns kN columns.
+template <typename T, int kN>
+__global__ void dbias_tile_partials_kernel(const T* __restrict__ dh,
+                                           const float* __restrict__ row_prob,
+                                           const int32_t* __restrict__ row_map, int64_t f,
+                                           float* __restrict__ partial) {
   const int64_t tile = blockIdx.x;
-  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  const int64_t j = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kN;
   if (j >= f) return;
-  float acc = 0.0f;
-  for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r)
-    if (row_map[2 * r] >= 0) acc = rn::add(acc, rn::mul(to_float(dh[r * f + j]), row_prob[r]));
-  partial[tile * f + j] = acc;
+  Pack<float, kN> acc;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) acc.v[k] = 0.0f;
+  for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r) {
+    if (row_map[2 * r] < 0) continue;
+    float g[kN];
+    load_floats<kN>(dh + r * f + j, g);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc.v[k] = rn::add(acc.v[k], rn::mul(g[k], row_prob[r]));
+  }
+  store_pack<kN>(partial + tile * f + j, acc);
 }
 
 /// Pass 2: dbias[e, j] = sum of e's tiles' partials in tile order.
@@ -512,12 +617,16 @@ void moe_combine_backward(const Tensor& dy, const Tensor& expert_out, const Tens
   const cudaStream_t stream = octet::cuda::stream(dy.device());
   visit(dy.dtype(), [&](auto type) {
     using T = decltype(type);
-    combine_backward_kernel<T><<<static_cast<unsigned>(plan.capacity()), kLanes, 0, stream>>>(
-        in<T>(dy), expert_out.defined() ? in<T>(expert_out) : nullptr,
-        prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.row_map), dy.cols(),
-        plan.slot_row.size(1), out<T>(d_expert_out),
-        dprob.defined() ? out<float>(dprob) : nullptr);
-    OCTET_CHECK_LAUNCH();
+    const std::initializer_list<const void*> rows = {
+        dy.raw_data(), quant::data_or_null<const void>(expert_out), d_expert_out.raw_data()};
+    with_pack<T>(dy.cols(), rows, [&](auto pack) {
+      combine_backward_kernel<T, decltype(pack)::value>
+          <<<static_cast<unsigned>(plan.capacity()), kLanes, 0, stream>>>(
+              in<T>(dy), quant::data_or_null<const T>(expert_out),
+              quant::data_or_null<const float>(prob), in<int32_t>(plan.row_map), dy.cols(),
+              plan.slot_row.size(1), out<T>(d_expert_out), quant::data_or_null<float>(dprob));
+      OCTET_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -541,13 +650,15 @@ void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const T
   const cudaStream_t stream = octet::cuda::stream(fc1.device());
   visit(fc1.dtype(), [&](auto type) {
     using T = decltype(type);
+    const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
-      scaled_activation_forward_kernel<T, decltype(a)::value>
-          <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
-              in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-              in<int32_t>(plan.offsets), plan.experts(),
-              bias.defined() ? in<float>(bias) : nullptr, h.cols(), out<T>(h));
-      OCTET_CHECK_LAUNCH();
+      with_pack<T>(h.cols(), {fc1.raw_data(), h.raw_data(), b}, [&](auto pack) {
+        scaled_activation_forward_kernel<T, decltype(a)::value, decltype(pack)::value>
+            <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
+                in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                in<int32_t>(plan.offsets), plan.experts(), b, h.cols(), out<T>(h));
+        OCTET_CHECK_LAUNCH();
+      });
     });
   });
 }
@@ -574,7 +685,7 @@ void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
         source.h = h.defined() ? out<T>(h) : nullptr;
         source.f = f;
         source.row0 = casts.offsets[e];
-        source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h});
+        source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h, source.bias});
         const FusedQuantize& target = casts.experts[e];
         quant::quantize_tiles<T>(rows, f, *target.out, target.args, source, fc1.device());
       }
@@ -590,23 +701,30 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
   const int64_t rows = dh.rows(), f = dh.cols();
   visit(fc1.dtype(), [&](auto type) {
     using T = decltype(type);
+    const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
-      scaled_activation_backward_kernel<T, decltype(a)::value>
-          <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
-              in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-              in<int32_t>(plan.offsets), plan.experts(),
-              bias.defined() ? in<float>(bias) : nullptr, f, out<T>(dfc1),
-              out<float>(d_row_prob));
-      OCTET_CHECK_LAUNCH();
+      with_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
+        scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
+            <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
+                in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                in<int32_t>(plan.offsets), plan.experts(), b, f, out<T>(dfc1),
+                out<float>(d_row_prob));
+        OCTET_CHECK_LAUNCH();
+      });
     });
     if (!dbias.defined()) return;
     const int64_t tiles = rows / kMoeGroupAlign;
     const Tensor partial = Tensor::empty({tiles, f}, DType::f32, fc1.device());
+    with_pack<T>(f, {dh.raw_data(), partial.raw_data()}, [&](auto pack) {
+      constexpr int kN = decltype(pack)::value;
+      const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads * kN));
+      dbias_tile_partials_kernel<T, kN>
+          <<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads, 0, stream>>>(
+              in<T>(dh), in<float>(row_prob), in<int32_t>(plan.row_map), f,
+              out<float>(partial));
+      OCTET_CHECK_LAUNCH();
+    });
     const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));
-    dbias_tile_partials_kernel<T><<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads,
-                                    0, stream>>>(in<T>(dh), in<float>(row_prob),
-                                                 in<int32_t>(plan.row_map), f, out<float>(partial));
-    OCTET_CHECK_LAUNCH();
     dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks),
                               kThreads, 0, stream>>>(in<float>(partial),
                                                      in<int32_t>(plan.offsets), f,
