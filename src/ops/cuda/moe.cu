@@ -11,6 +11,7 @@
 #include <cub/block/block_scan.cuh>
 #include <initializer_list>
 #include <type_traits>
+#include <vector>
 
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
@@ -674,6 +675,7 @@ void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
     using T = decltype(type);
     moe::visit_activation(act, [&](auto a) {
       using Source = ScaledActivationTile<T, decltype(a)::value>;
+      std::vector<quant::TileMatrix<Source>> matrices;
       for (size_t e = 0; e < casts.experts.size(); ++e) {
         const int64_t rows = casts.offsets[e + 1] - casts.offsets[e];
         if (rows == 0) continue;
@@ -687,8 +689,9 @@ void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
         source.row0 = casts.offsets[e];
         source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h, source.bias});
         const FusedQuantize& target = casts.experts[e];
-        quant::quantize_tiles<T>(rows, f, *target.out, target.args, source, fc1.device());
+        matrices.push_back({rows, f, target.out, &target.args, source});
       }
+      quant::quantize_tile_group<T, Source>(matrices, fc1.device());
     });
   });
 }
