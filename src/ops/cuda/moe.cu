@@ -71,7 +71,7 @@ __device__ __forceinline__ void store_zeros(T* p) {
 /// it from every thread of the CTA.
 template <int kN>
 __device__ __forceinline__ float fold_chunk(float lane, const float (&term)[kN], int64_t valid,
-                                           float* stage) {
+                                            float* stage) {
   const int t = static_cast<int>(threadIdx.x);
   if constexpr (kN == 1) {
     return t < valid ? SumOp{}(lane, term[0]) : lane;
@@ -414,14 +414,13 @@ constexpr int kBackwardCtasPerSm = 4;
 /// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns), from
 /// one pass over packs of kN columns of the row.
 template <typename T, MoeActivation kAct, int kN>
-__global__ void __launch_bounds__(kLanes, kBackwardCtasPerSm) scaled_activation_backward_kernel(const T* __restrict__ dh,
-                                                  const T* __restrict__ fc1,
-                                                  const float* __restrict__ row_prob,
-                                                  const int32_t* __restrict__ row_map,
-                                                  const int32_t* __restrict__ offsets,
-                                                  int64_t experts, const float* __restrict__ bias,
-                                                  int64_t f, T* __restrict__ dfc1,
-                                                  float* __restrict__ d_row_prob) {
+__global__ void __launch_bounds__(kLanes, kBackwardCtasPerSm)
+    scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
+                                      const float* __restrict__ row_prob,
+                                      const int32_t* __restrict__ row_map,
+                                      const int32_t* __restrict__ offsets, int64_t experts,
+                                      const float* __restrict__ bias, int64_t f,
+                                      T* __restrict__ dfc1, float* __restrict__ d_row_prob) {
   __shared__ __align__(kVectorBytes) float stage[kLanes * kN];
   constexpr bool kGated = moe::gated(kAct);
   const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
@@ -526,8 +525,8 @@ void combine(const Tensor& rows, const Tensor& prob, const MoePlan& plan, const 
     with_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
       combine_kernel<T, decltype(pack)::value>
           <<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
-              in<T>(rows), prob.defined() ? in<float>(prob) : nullptr,
-              in<int32_t>(plan.slot_row), y.cols(), plan.slot_row.size(1), out<T>(y));
+              in<T>(rows), prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.slot_row),
+              y.cols(), plan.slot_row.size(1), out<T>(y));
       OCTET_CHECK_LAUNCH();
     });
   });
@@ -723,8 +722,7 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
       const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads * kN));
       dbias_tile_partials_kernel<T, kN>
           <<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads, 0, stream>>>(
-              in<T>(dh), in<float>(row_prob), in<int32_t>(plan.row_map), f,
-              out<float>(partial));
+              in<T>(dh), in<float>(row_prob), in<int32_t>(plan.row_map), f, out<float>(partial));
       OCTET_CHECK_LAUNCH();
     });
     const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));

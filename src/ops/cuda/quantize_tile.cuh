@@ -411,9 +411,8 @@ __global__ void __launch_bounds__(kTileThreads, kTileGroupCtasPerSm)
   // This CTA's matrix: the last m with first_tile[m] <= blockIdx.x (uniform over the CTA).
   int m = 0;
   while (m + 1 < group.count && group.first_tile[m + 1] <= blockIdx.x) ++m;
-  quantize_tile<T, kMode, kFp8>(group.params[m], group.sources[m],
-                                blockIdx.x - group.first_tile[m], reinterpret_cast<T*>(tile_smem),
-                                scratch);
+  quantize_tile<T, kMode, kFp8>(group.params[m], group.sources[m], blockIdx.x - group.first_tile[m],
+                                reinterpret_cast<T*>(tile_smem), scratch);
 }
 
 // ----------------------------------------------------------------------------
@@ -478,14 +477,15 @@ void launch_quantize_tile(const TileParams& p, const Source& source, const Devic
 template <typename T, ScalingMode kMode, DType kFp8, typename Source>
 void launch_quantize_tile_group(const TileGroup<Source>& group, const Device& device,
                                 cudaStream_t stream) {
-  static_assert(sizeof(TileGroup<Source>) <= kPortableParamBytes,
-                "a TileGroup of this Source exceeds 4 KB of kernel parameters: lower kMaxTileGroup");
+  static_assert(
+      sizeof(TileGroup<Source>) <= kPortableParamBytes,
+      "a TileGroup of this Source exceeds 4 KB of kernel parameters: lower kMaxTileGroup");
   static octet::cuda::PerDeviceFlag opted_in;
   const int64_t tiles = group.first_tile[group.count];
   OCTET_CHECK(tiles <= INT_MAX, "quantize: a group of ", group.count, " matrices has ", tiles,
               " tiles of ", kTile, "x", kTile, "; expected at most ", INT_MAX, " (gridDim.x)");
-  launch_tile_kernel<T>(quantize_tile_group_kernel<T, kMode, kFp8, Source>, opted_in, tiles,
-                        device, stream, group);
+  launch_tile_kernel<T>(quantize_tile_group_kernel<T, kMode, kFp8, Source>, opted_in, tiles, device,
+                        stream, group);
 }
 
 /// TileParams for quantizing a [rows, cols] matrix into `out` with `args`, without column sums.
