@@ -42,9 +42,10 @@ void moe_gather_row_probs(const Tensor& prob, const MoePlan& plan, const Tensor&
 void moe_scatter_row_probs(const Tensor& d_row_prob, const MoePlan& plan, const Tensor& dprob);
 void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
                                    const MoePlan& plan, const Tensor& bias, const Tensor& h);
-/// The scaled activation computed into the tile quantizer, one launch per expert with rows over
-/// that expert's rows of fc1 (so fc1 is read once), each writing the expert's FP8 copies, scales
-/// and amax; h (optional) is stored from the same values, its tail past the groups zeroed.
+/// The scaled activation computed into the tile quantizer, each expert a matrix over its rows of
+/// fc1 (so fc1 is read once) and the experts' tiles in shared launches
+/// (quant::quantize_tile_group), each tile writing its expert's FP8 copies, scales and amax; h
+/// (optional) is stored from the same values, its tail past the groups zeroed.
 void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
                                         const Tensor& row_prob, const MoePlan& plan,
                                         const Tensor& bias, const Tensor& h,

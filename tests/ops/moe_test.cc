@@ -259,6 +259,12 @@ const SplitCase kSplits[] = {
     {Split::random, 333, 2, 16, 67, "random"},
     {Split::two_of_sixteen_take_half, 512, 2, 16, 64, "half_on_two_of_16"},
     {Split::all_on_one, 100, 1, 16, 33, "all_on_one_of_16"},
+    // Rows of several 16-byte-pack chunks (2048 bf16 / 1024 f32 per CTA pass) with a partial last
+    // one, and top-5 (more slots than a thread loads at once): 2600 packs, 1299 does not, while
+    // the activation tests' F = 2 dim + 2 gives the opposite (5202 and 2600). 24 experts: more
+    // than one launch of the fused cast's tile group takes (16).
+    {Split::random, 40, 5, 24, 2600, "wide_top5_of_24"},
+    {Split::two_of_sixteen_take_half, 64, 2, 16, 1299, "wide_half_on_two_of_16"},
 };
 
 MoePlan make_plan(const Tensor& expert, int64_t experts, const Device& device) {

@@ -9,6 +9,9 @@
 
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
+#include <initializer_list>
+#include <type_traits>
+#include <vector>
 
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
@@ -39,6 +42,84 @@ template <typename T>
 T* out(const Tensor& t) {
   return static_cast<T*>(t.raw_data());
 }
+
+// ----------------------------------------------------------------------------
+// Rows in packs: a row kernel gives each thread kN consecutive elements, kN = kVectorWidth<T> (one
+// 16-byte access) when every row allows it (with_pack), else kN = 1, the element-wise fallback.
+// Both do the same float operations on every element.
+
+/// The kN elements at p (aligned to the pack) as floats.
+template <int kN, typename T>
+__device__ __forceinline__ void load_floats(const T* p, float (&v)[kN]) {
+  const Pack<T, kN> pack = load_pack<kN>(p);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) v[k] = to_float(pack.v[k]);
+}
+
+/// Stores from_float<T>(0) at p[0, kN).
+template <int kN, typename T>
+__device__ __forceinline__ void store_zeros(T* p) {
+  store_pack<kN>(p, Pack<T, kN>{});
+}
+
+/// Step 1 of fixed_order_reduce.h's order when a row's terms are computed in packs. The row goes
+/// by chunks of kLanes * kN elements; thread i holds the terms of the chunk's elements [kN i,
+/// kN i + kN), of which the first `valid` exist, and lane t must fold elements t, t + kLanes, ...
+/// in increasing order. The terms cross through `stage` (kLanes * kN floats, 16-byte aligned), so
+/// over the chunks of a row lane t adds exactly the elements t + m kLanes, m = 0, 1, ..., in order,
+/// as fixed_order_reduce_block does. kN = 1 needs no exchange. Contains barriers for kN > 1: call
+/// it from every thread of the CTA.
+template <int kN>
+__device__ __forceinline__ float fold_chunk(float lane, const float (&term)[kN], int64_t valid,
+                                            float* stage) {
+  const int t = static_cast<int>(threadIdx.x);
+  if constexpr (kN == 1) {
+    return t < valid ? SumOp{}(lane, term[0]) : lane;
+  } else {
+    if (static_cast<int64_t>(t) * kN < valid) {
+      Pack<float, kN> pack;
+#pragma unroll
+      for (int k = 0; k < kN; ++k) pack.v[k] = term[k];
+      store_pack<kN>(stage + t * kN, pack);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kN; ++j)
+      if (t + j * kLanes < valid) lane = SumOp{}(lane, stage[t + j * kLanes]);
+    __syncthreads();  // the next chunk, or the tree, rewrites stage
+    return lane;
+  }
+}
+
+/// The activation's inputs at columns [j, j + kN) of one fc1 row x, as floats: the gate x[j..] and,
+/// for the gated activations, up x[f + j..] (otherwise 0, which activate ignores).
+template <MoeActivation kAct, int kN>
+struct ActivationIn {
+  float gate[kN], up[kN];
+
+  template <typename T>
+  __device__ ActivationIn(const T* x, int64_t f, int64_t j) {
+    load_floats<kN>(x + j, gate);
+    if constexpr (moe::gated(kAct)) {
+      load_floats<kN>(x + f + j, up);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) up[k] = 0.0f;
+    }
+  }
+
+  /// v = act(gate, up), plus bias[j..] when bias (the expert's row) is set: h before the row's
+  /// prob.
+  __device__ void value(const float* bias, int64_t j, float (&v)[kN]) const {
+    float b[kN];
+    if (bias != nullptr) load_floats<kN>(bias + j, b);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      v[k] = moe::activate<kAct>(gate[k], up[k]);
+      if (bias != nullptr) v[k] = rn::add(v[k], b[k]);
+    }
+  }
+};
 
 // ----------------------------------------------------------------------------
 // CUDA kernels: router
@@ -148,56 +229,78 @@ __global__ void dispatch_kernel(const Unit* x, const int32_t* row_map, int64_t u
     permuted[r * units + c] = t < 0 ? Unit{} : x[t * units + c];
 }
 
-template <typename T>
-__global__ void dispatch_backward_kernel(const T* d_permuted, const int32_t* slot_row,
-                                         int64_t dim, int64_t topk, T* dx) {
-  const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < topk; ++s)
-      acc = rn::add(acc, to_float(d_permuted[slot_row[t * topk + s] * dim + c]));
-    dx[t * dim + c] = from_float<T>(acc);
-  }
-}
+/// Slots whose rows a thread loads before it adds them: top-2 in one batch. Larger batches cost
+/// registers (top-4 takes 64 a thread for bf16) and so CTAs per SM.
+constexpr int kSlotBatch = 2;
 
-template <typename T>
-__global__ void combine_kernel(const T* expert_out, const float* prob, const int32_t* slot_row,
-                               int64_t dim, int64_t topk, T* y) {
+/// y[t] = the sum over token t's slots, in slot order, of prob * rows[slot's row] (the row alone
+/// without prob: dispatch's backward). A thread owns packs of kN columns and issues the loads of
+/// up to kSlotBatch slots before their adds, so each thread has top-k packs in flight.
+template <typename T, int kN>
+__global__ void combine_kernel(const T* __restrict__ rows, const float* __restrict__ prob,
+                               const int32_t* __restrict__ slot_row, int64_t dim, int64_t topk,
+                               T* __restrict__ y) {
   const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t s = 0; s < topk; ++s) {
-      const float v = to_float(expert_out[slot_row[t * topk + s] * dim + c]);
-      acc = rn::add(acc, prob != nullptr ? rn::mul(prob[t * topk + s], v) : v);
+  const int32_t* slots = slot_row + t * topk;
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * kN; c < dim; c += blockDim.x * kN) {
+    float acc[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
+    for (int64_t s0 = 0; s0 < topk; s0 += kSlotBatch) {
+      Pack<T, kN> v[kSlotBatch];  // raw, so that a pack of bf16 takes 4 registers, not 8
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b)
+        if (s0 + b < topk) v[b] = load_pack<kN>(rows + slots[s0 + b] * dim + c);
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (s0 + b >= topk) continue;
+        const float w = prob != nullptr ? prob[t * topk + s0 + b] : 1.0f;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          const float x = to_float(v[b].v[k]);
+          acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
+        }
+      }
     }
-    y[t * dim + c] = from_float<T>(acc);
+    store_pack<kN>(y + t * dim + c, round_pack<T>(acc));
   }
 }
 
 /// CTA r: d_expert_out[r] = prob * dy[token] (0 for padding) and dprob[token, slot] = <dy[token],
-/// expert_out[r]> in the fixed order.
-template <typename T>
-__global__ void combine_backward_kernel(const T* dy, const T* expert_out, const float* prob,
-                                        const int32_t* row_map, int64_t dim, int64_t topk,
-                                        T* d_expert_out, float* dprob) {
-  __shared__ float shared[kLanes];
+/// expert_out[r]> in the fixed order; packs of kN columns, one pass over the row.
+template <typename T, int kN>
+__global__ void combine_backward_kernel(const T* __restrict__ dy, const T* __restrict__ expert_out,
+                                        const float* __restrict__ prob,
+                                        const int32_t* __restrict__ row_map, int64_t dim,
+                                        int64_t topk, T* __restrict__ d_expert_out,
+                                        float* __restrict__ dprob) {
+  __shared__ __align__(kVectorBytes) float stage[kLanes * kN];
   const int64_t r = blockIdx.x;
   const int32_t t = row_map[2 * r], s = row_map[2 * r + 1];
-  const float p = t >= 0 && prob != nullptr ? prob[t * topk + s] : 1.0f;
-  for (int64_t c = threadIdx.x; c < dim; c += blockDim.x) {
-    if (t < 0) {
-      d_expert_out[r * dim + c] = from_float<T>(0.0f);
-    } else {
-      const float g = to_float(dy[t * dim + c]);
-      d_expert_out[r * dim + c] = from_float<T>(prob != nullptr ? rn::mul(p, g) : g);
+  const bool dot = t >= 0 && prob != nullptr;  // uniform across the CTA
+  const float p = dot ? prob[t * topk + s] : 1.0f;
+  float lane = SumOp::identity<float>();
+  for (int64_t c0 = 0; c0 < dim; c0 += kLanes * kN) {
+    const int64_t c = c0 + static_cast<int64_t>(threadIdx.x) * kN;
+    float term[kN] = {};
+    if (c < dim && t < 0) {
+      store_zeros<kN>(d_expert_out + r * dim + c);
+    } else if (c < dim) {
+      float g[kN], e[kN], d[kN];
+      load_floats<kN>(dy + t * dim + c, g);
+      if (dot) load_floats<kN>(expert_out + r * dim + c, e);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        d[k] = prob != nullptr ? rn::mul(p, g[k]) : g[k];
+        if (dot) term[k] = rn::mul(g[k], e[k]);
+      }
+      store_pack<kN>(d_expert_out + r * dim + c, round_pack<T>(d));
     }
+    if (dot) lane = fold_chunk<kN>(lane, term, dim - c0, stage);
   }
-  if (t < 0 || prob == nullptr) return;  // uniform across the CTA
-  const float dot = fixed_order_reduce_block<kLanes, float>(
-      dim, SumOp{},
-      [&](int64_t c) { return rn::mul(to_float(dy[t * dim + c]), to_float(expert_out[r * dim + c])); },
-      shared);
-  if (threadIdx.x == 0) dprob[t * topk + s] = dot;
+  if (!dot) return;
+  const float sum = fixed_order_tree<kLanes>(lane, SumOp{}, stage);
+  if (threadIdx.x == 0) dprob[t * topk + s] = sum;
 }
 
 __global__ void gather_row_probs_kernel(const float* prob, const int32_t* row_map, int64_t rows,
@@ -217,25 +320,29 @@ __global__ void scatter_row_probs_kernel(const float* d_row_prob, const int32_t*
 // ----------------------------------------------------------------------------
 // CUDA kernels: scaled activation (one CTA per permuted row)
 
-template <typename T, MoeActivation kAct>
-__global__ void scaled_activation_forward_kernel(const T* fc1, const float* row_prob,
-                                                 const int32_t* row_map, const int32_t* offsets,
-                                                 int64_t experts, const float* bias, int64_t f,
-                                                 T* h) {
-  constexpr bool kGated = moe::gated(kAct);
-  const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
+template <typename T, MoeActivation kAct, int kN>
+__global__ void scaled_activation_forward_kernel(const T* __restrict__ fc1,
+                                                 const float* __restrict__ row_prob,
+                                                 const int32_t* __restrict__ row_map,
+                                                 const int32_t* __restrict__ offsets,
+                                                 int64_t experts, const float* __restrict__ bias,
+                                                 int64_t f, T* __restrict__ h) {
+  const int64_t r = blockIdx.x, in_cols = moe::gated(kAct) ? 2 * f : f;
   const int32_t e = moe::expert_of_row(offsets, experts, r);
   const bool padding = row_map[2 * r] < 0 || e < 0;
   const T* x = fc1 + r * in_cols;
+  const float* b = bias != nullptr && !padding ? bias + e * f : nullptr;
   const float p = row_prob[r];
-  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
+  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < f; j += blockDim.x * kN) {
     if (padding) {
-      h[r * f + j] = from_float<T>(0.0f);
+      store_zeros<kN>(h + r * f + j);
       continue;
     }
-    float v = moe::activate<kAct>(to_float(x[j]), kGated ? to_float(x[f + j]) : 0.0f);
-    if (bias != nullptr) v = rn::add(v, bias[e * f + j]);
-    h[r * f + j] = from_float<T>(rn::mul(v, p));
+    float v[kN];
+    ActivationIn<kAct, kN>(x, f, j).value(b, j, v);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] = rn::mul(v[k], p);
+    store_pack<kN>(h + r * f + j, round_pack<T>(v));
   }
 }
 
@@ -251,7 +358,7 @@ struct ScaledActivationTile {
   const float* bias;       ///< the expert's bias row [f], or nullptr
   T* h;                    ///< optional: [capacity, f]
   int64_t f, row0;
-  bool vec;  ///< fc1 and h 16-byte aligned, f a multiple of a 16-byte pack
+  bool vec;  ///< fc1, h and bias 16-byte aligned, f a multiple of a 16-byte pack
 
   using L = quant::TileLayout<T>;
   static constexpr int kE = L::kChunkElems;
@@ -259,12 +366,6 @@ struct ScaledActivationTile {
   /// Chunks each thread stages, as in quant::load_tile.
   static constexpr int kChunks = quant::kTile * L::kChunksPerRow / quant::kTileThreads;
   static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
-
-  __device__ float cell(const T* x, int64_t c, float p) const {
-    float v = moe::activate<kAct>(to_float(x[c]), kGated ? to_float(x[f + c]) : 0.0f);
-    if (bias != nullptr) v = rn::add(v, bias[c]);
-    return rn::mul(v, p);
-  }
 
   __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
     const int64_t in_cols = kGated ? 2 * f : f;
@@ -279,24 +380,11 @@ struct ScaledActivationTile {
       const bool live = gr < p.rows && row_map[2 * row] >= 0;
       T* h_row = h != nullptr && gr < p.rows ? h + row * f : nullptr;
       if (live && vec && gc + kE <= p.cols) {
-        const T* x = fc1 + row * in_cols;
         const float prob = row_prob[row];
-        const Pack<T, kE> gate = load_pack<kE>(x + gc);
         float v[kE];
-        if constexpr (kGated) {
-          const Pack<T, kE> up = load_pack<kE>(x + f + gc);
+        ActivationIn<kAct, kE>(fc1 + row * in_cols, f, gc).value(bias, gc, v);
 #pragma unroll
-          for (int k = 0; k < kE; ++k)
-            v[k] = moe::activate<kAct>(to_float(gate.v[k]), to_float(up.v[k]));
-        } else {
-#pragma unroll
-          for (int k = 0; k < kE; ++k) v[k] = moe::activate<kAct>(to_float(gate.v[k]), 0.0f);
-        }
-#pragma unroll
-        for (int k = 0; k < kE; ++k) {
-          if (bias != nullptr) v[k] = rn::add(v[k], bias[gc + k]);
-          v[k] = rn::mul(v[k], prob);
-        }
+        for (int k = 0; k < kE; ++k) v[k] = rn::mul(v[k], prob);
         o = round_pack<T>(v);
         if (h_row != nullptr) store_pack<kE>(h_row + gc, o);
       } else {
@@ -304,8 +392,12 @@ struct ScaledActivationTile {
 #pragma unroll
         for (int k = 0; k < kE; ++k) {
           const bool inside = gr < p.rows && gc + k < p.cols;
-          o.v[k] = live && inside ? from_float<T>(cell(fc1 + row * in_cols, gc + k, prob))
-                                  : from_float<T>(0.0f);
+          float v[1] = {0.0f};
+          if (live && inside) {
+            ActivationIn<kAct, 1>(fc1 + row * in_cols, f, gc + k).value(bias, gc + k, v);
+            v[0] = rn::mul(v[0], prob);
+          }
+          o.v[k] = from_float<T>(v[0]);
           if (inside && h_row != nullptr) h_row[gc + k] = o.v[k];
         }
       }
@@ -315,54 +407,80 @@ struct ScaledActivationTile {
   }
 };
 
-/// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns).
-template <typename T, MoeActivation kAct>
-__global__ void scaled_activation_backward_kernel(const T* dh, const T* fc1, const float* row_prob,
-                                                  const int32_t* row_map, const int32_t* offsets,
-                                                  int64_t experts, const float* bias, int64_t f,
-                                                  T* dfc1, float* d_row_prob) {
-  __shared__ float shared[kLanes];
+/// CTAs per SM that the backward's register budget must allow (64 registers a thread): bf16
+/// swiglu takes 72 unbounded, which fits 3, and fits 64 without spilling.
+constexpr int kBackwardCtasPerSm = 4;
+
+/// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns), from
+/// one pass over packs of kN columns of the row.
+template <typename T, MoeActivation kAct, int kN>
+__global__ void __launch_bounds__(kLanes, kBackwardCtasPerSm)
+    scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
+                                      const float* __restrict__ row_prob,
+                                      const int32_t* __restrict__ row_map,
+                                      const int32_t* __restrict__ offsets, int64_t experts,
+                                      const float* __restrict__ bias, int64_t f,
+                                      T* __restrict__ dfc1, float* __restrict__ d_row_prob) {
+  __shared__ __align__(kVectorBytes) float stage[kLanes * kN];
   constexpr bool kGated = moe::gated(kAct);
   const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
   const int32_t e = moe::expert_of_row(offsets, experts, r);
+  T* d = dfc1 + r * in_cols;
   if (row_map[2 * r] < 0 || e < 0) {  // uniform across the CTA
-    for (int64_t j = threadIdx.x; j < in_cols; j += blockDim.x)
-      dfc1[r * in_cols + j] = from_float<T>(0.0f);
+    for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < in_cols; j += blockDim.x * kN)
+      store_zeros<kN>(d + j);
     if (threadIdx.x == 0) d_row_prob[r] = 0.0f;
     return;
   }
   const T* x = fc1 + r * in_cols;
-  const T* g = dh + r * f;
+  const float* b = bias != nullptr ? bias + e * f : nullptr;
   const float p = row_prob[r];
-  for (int64_t j = threadIdx.x; j < f; j += blockDim.x) {
-    float dgate = 0.0f, dup = 0.0f;
-    moe::activate_grad<kAct>(rn::mul(to_float(g[j]), p), to_float(x[j]),
-                             kGated ? to_float(x[f + j]) : 0.0f, dgate, dup);
-    dfc1[r * in_cols + j] = from_float<T>(dgate);
-    if constexpr (kGated) dfc1[r * in_cols + f + j] = from_float<T>(dup);
+  float lane = SumOp::identity<float>();
+  for (int64_t j0 = 0; j0 < f; j0 += kLanes * kN) {
+    const int64_t j = j0 + static_cast<int64_t>(threadIdx.x) * kN;
+    float term[kN] = {};
+    if (j < f) {
+      const ActivationIn<kAct, kN> a(x, f, j);
+      float g[kN], dgate[kN], dup[kN], v[kN];
+      load_floats<kN>(dh + r * f + j, g);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        dgate[k] = dup[k] = 0.0f;
+        moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+      }
+      store_pack<kN>(d + j, round_pack<T>(dgate));
+      if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
+      a.value(b, j, v);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) term[k] = rn::mul(g[k], v[k]);
+    }
+    lane = fold_chunk<kN>(lane, term, f - j0, stage);
   }
-  const float dot = fixed_order_reduce_block<kLanes, float>(
-      f, SumOp{},
-      [&](int64_t j) {
-        float v = moe::activate<kAct>(to_float(x[j]), kGated ? to_float(x[f + j]) : 0.0f);
-        if (bias != nullptr) v = rn::add(v, bias[e * f + j]);
-        return rn::mul(to_float(g[j]), v);
-      },
-      shared);
+  const float dot = fixed_order_tree<kLanes>(lane, SumOp{}, stage);
   if (threadIdx.x == 0) d_row_prob[r] = dot;
 }
 
-/// Pass 1 of dbias: partial[tile, j] = sum over the tile's mapped rows, in order, of dh * prob.
-template <typename T>
-__global__ void dbias_tile_partials_kernel(const T* dh, const float* row_prob,
-                                           const int32_t* row_map, int64_t f, float* partial) {
+/// Pass 1 of dbias: partial[tile, j] = sum over the tile's mapped rows, in order, of dh * prob; a
+/// thread owns kN columns.
+template <typename T, int kN>
+__global__ void dbias_tile_partials_kernel(const T* __restrict__ dh,
+                                           const float* __restrict__ row_prob,
+                                           const int32_t* __restrict__ row_map, int64_t f,
+                                           float* __restrict__ partial) {
   const int64_t tile = blockIdx.x;
-  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  const int64_t j = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kN;
   if (j >= f) return;
-  float acc = 0.0f;
-  for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r)
-    if (row_map[2 * r] >= 0) acc = rn::add(acc, rn::mul(to_float(dh[r * f + j]), row_prob[r]));
-  partial[tile * f + j] = acc;
+  Pack<float, kN> acc;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) acc.v[k] = 0.0f;
+  for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r) {
+    if (row_map[2 * r] < 0) continue;
+    float g[kN];
+    load_floats<kN>(dh + r * f + j, g);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc.v[k] = rn::add(acc.v[k], rn::mul(g[k], row_prob[r]));
+  }
+  store_pack<kN>(partial + tile * f + j, acc);
 }
 
 /// Pass 2: dbias[e, j] = sum of e's tiles' partials in tile order.
@@ -386,6 +504,32 @@ unsigned blocks_for(int64_t n) { return static_cast<unsigned>(ceil_div(n, kThrea
 template <typename F>
 void visit(DType dtype, F&& f) {
   math::visit_dtype(dtype, std::forward<F>(f));
+}
+
+/// Runs f(std::integral_constant<int, kN>{}) with kN = kVectorWidth<T> when the rows of `dim`
+/// elements from each pointer are whole 16-byte packs, else kN = 1.
+template <typename T, typename F>
+void with_pack(int64_t dim, std::initializer_list<const void*> rows, F&& f) {
+  if (dim % kVectorWidth<T> == 0 && vector_aligned(rows)) {
+    f(std::integral_constant<int, kVectorWidth<T>>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
+/// y = the (prob-weighted, when prob is defined) sum of each token's rows of `rows`.
+void combine(const Tensor& rows, const Tensor& prob, const MoePlan& plan, const Tensor& y) {
+  const cudaStream_t stream = octet::cuda::stream(y.device());
+  visit(y.dtype(), [&](auto type) {
+    using T = decltype(type);
+    with_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
+      combine_kernel<T, decltype(pack)::value>
+          <<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
+              in<T>(rows), prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.slot_row),
+              y.cols(), plan.slot_row.size(1), out<T>(y));
+      OCTET_CHECK_LAUNCH();
+    });
+  });
 }
 
 }  // namespace
@@ -460,26 +604,12 @@ void moe_dispatch(const Tensor& x, const MoePlan& plan, const Tensor& permuted) 
 }
 
 void moe_dispatch_backward(const Tensor& d_permuted, const MoePlan& plan, const Tensor& dx) {
-  const cudaStream_t stream = octet::cuda::stream(dx.device());
-  visit(dx.dtype(), [&](auto type) {
-    using T = decltype(type);
-    dispatch_backward_kernel<T><<<static_cast<unsigned>(dx.rows()), kThreads, 0, stream>>>(
-        in<T>(d_permuted), in<int32_t>(plan.slot_row), dx.cols(), plan.slot_row.size(1),
-        out<T>(dx));
-    OCTET_CHECK_LAUNCH();
-  });
+  combine(d_permuted, Tensor(), plan, dx);
 }
 
 void moe_combine(const Tensor& expert_out, const Tensor& prob, const MoePlan& plan,
                  const Tensor& y) {
-  const cudaStream_t stream = octet::cuda::stream(y.device());
-  visit(y.dtype(), [&](auto type) {
-    using T = decltype(type);
-    combine_kernel<T><<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
-        in<T>(expert_out), prob.defined() ? in<float>(prob) : nullptr,
-        in<int32_t>(plan.slot_row), y.cols(), plan.slot_row.size(1), out<T>(y));
-    OCTET_CHECK_LAUNCH();
-  });
+  combine(expert_out, prob, plan, y);
 }
 
 void moe_combine_backward(const Tensor& dy, const Tensor& expert_out, const Tensor& prob,
@@ -487,12 +617,16 @@ void moe_combine_backward(const Tensor& dy, const Tensor& expert_out, const Tens
   const cudaStream_t stream = octet::cuda::stream(dy.device());
   visit(dy.dtype(), [&](auto type) {
     using T = decltype(type);
-    combine_backward_kernel<T><<<static_cast<unsigned>(plan.capacity()), kLanes, 0, stream>>>(
-        in<T>(dy), expert_out.defined() ? in<T>(expert_out) : nullptr,
-        prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.row_map), dy.cols(),
-        plan.slot_row.size(1), out<T>(d_expert_out),
-        dprob.defined() ? out<float>(dprob) : nullptr);
-    OCTET_CHECK_LAUNCH();
+    const std::initializer_list<const void*> rows = {
+        dy.raw_data(), quant::data_or_null<const void>(expert_out), d_expert_out.raw_data()};
+    with_pack<T>(dy.cols(), rows, [&](auto pack) {
+      combine_backward_kernel<T, decltype(pack)::value>
+          <<<static_cast<unsigned>(plan.capacity()), kLanes, 0, stream>>>(
+              in<T>(dy), quant::data_or_null<const T>(expert_out),
+              quant::data_or_null<const float>(prob), in<int32_t>(plan.row_map), dy.cols(),
+              plan.slot_row.size(1), out<T>(d_expert_out), quant::data_or_null<float>(dprob));
+      OCTET_CHECK_LAUNCH();
+    });
   });
 }
 
@@ -516,13 +650,15 @@ void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const T
   const cudaStream_t stream = octet::cuda::stream(fc1.device());
   visit(fc1.dtype(), [&](auto type) {
     using T = decltype(type);
+    const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
-      scaled_activation_forward_kernel<T, decltype(a)::value>
-          <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
-              in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-              in<int32_t>(plan.offsets), plan.experts(),
-              bias.defined() ? in<float>(bias) : nullptr, h.cols(), out<T>(h));
-      OCTET_CHECK_LAUNCH();
+      with_pack<T>(h.cols(), {fc1.raw_data(), h.raw_data(), b}, [&](auto pack) {
+        scaled_activation_forward_kernel<T, decltype(a)::value, decltype(pack)::value>
+            <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
+                in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                in<int32_t>(plan.offsets), plan.experts(), b, h.cols(), out<T>(h));
+        OCTET_CHECK_LAUNCH();
+      });
     });
   });
 }
@@ -538,6 +674,7 @@ void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
     using T = decltype(type);
     moe::visit_activation(act, [&](auto a) {
       using Source = ScaledActivationTile<T, decltype(a)::value>;
+      std::vector<quant::TileMatrix<Source>> matrices;
       for (size_t e = 0; e < casts.experts.size(); ++e) {
         const int64_t rows = casts.offsets[e + 1] - casts.offsets[e];
         if (rows == 0) continue;
@@ -549,10 +686,11 @@ void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
         source.h = h.defined() ? out<T>(h) : nullptr;
         source.f = f;
         source.row0 = casts.offsets[e];
-        source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h});
+        source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h, source.bias});
         const FusedQuantize& target = casts.experts[e];
-        quant::quantize_tiles<T>(rows, f, *target.out, target.args, source, fc1.device());
+        matrices.push_back({rows, f, target.out, &target.args, source});
       }
+      quant::quantize_tile_group<T, Source>(matrices, fc1.device());
     });
   });
 }
@@ -565,23 +703,29 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
   const int64_t rows = dh.rows(), f = dh.cols();
   visit(fc1.dtype(), [&](auto type) {
     using T = decltype(type);
+    const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
-      scaled_activation_backward_kernel<T, decltype(a)::value>
-          <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
-              in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-              in<int32_t>(plan.offsets), plan.experts(),
-              bias.defined() ? in<float>(bias) : nullptr, f, out<T>(dfc1),
-              out<float>(d_row_prob));
-      OCTET_CHECK_LAUNCH();
+      with_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
+        scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
+            <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
+                in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                in<int32_t>(plan.offsets), plan.experts(), b, f, out<T>(dfc1),
+                out<float>(d_row_prob));
+        OCTET_CHECK_LAUNCH();
+      });
     });
     if (!dbias.defined()) return;
     const int64_t tiles = rows / kMoeGroupAlign;
     const Tensor partial = Tensor::empty({tiles, f}, DType::f32, fc1.device());
+    with_pack<T>(f, {dh.raw_data(), partial.raw_data()}, [&](auto pack) {
+      constexpr int kN = decltype(pack)::value;
+      const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads * kN));
+      dbias_tile_partials_kernel<T, kN>
+          <<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads, 0, stream>>>(
+              in<T>(dh), in<float>(row_prob), in<int32_t>(plan.row_map), f, out<float>(partial));
+      OCTET_CHECK_LAUNCH();
+    });
     const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));
-    dbias_tile_partials_kernel<T><<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads,
-                                    0, stream>>>(in<T>(dh), in<float>(row_prob),
-                                                 in<int32_t>(plan.row_map), f, out<float>(partial));
-    OCTET_CHECK_LAUNCH();
     dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks),
                               kThreads, 0, stream>>>(in<float>(partial),
                                                      in<int32_t>(plan.offsets), f,

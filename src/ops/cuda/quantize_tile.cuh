@@ -17,6 +17,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 
 #include "octet/core/cuda_context.h"
@@ -320,27 +321,21 @@ struct LoadTile {
 // ----------------------------------------------------------------------------
 // The kernel
 
-/// Quantizes one 128x128 tile of x, as Source stages it (blockIdx.x = tile, row-major over the tile
-/// grid) into the row-wise and/or column-wise copy in scaling mode kMode, with their scales and
-/// optional amax. Traffic per bf16 element: 2 B read, 1 B per copy written (4 B with both copies; 6
-/// B for f32), all as 16-byte coalesced accesses; shared memory is bank-conflict-free (TileLayout).
-/// Expect
-/// >= 85% of copy bandwidth for per-tensor cast-transpose and >= 75% for the block modes at large
-/// aligned shapes; edge tiles and unaligned shapes take the element-wise fallbacks.
+/// Quantizes the 128x128 tile `index` (row-major over the tile grid) of x, as Source stages it,
+/// into the row-wise and/or column-wise copy in scaling mode kMode, with their scales and optional
+/// amax: the body of the tile kernels, run by all kTileThreads threads of a CTA. `tile` is
+/// TileLayout<T>::kBytes of shared memory, `scratch` kTileWarps words.
 template <typename T, ScalingMode kMode, DType kFp8, typename Source>
-__global__ void __launch_bounds__(kTileThreads)
-    quantize_tile_kernel(const TileParams p, const Source source) {
-  extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
-  __shared__ uint32_t scratch[kTileWarps];
-  T* tile = reinterpret_cast<T*>(tile_smem);
-  const int64_t ti = blockIdx.x / p.tile_cols, tj = blockIdx.x % p.tile_cols;
+__device__ __forceinline__ void quantize_tile(const TileParams& p, const Source& source,
+                                              int64_t index, T* tile, uint32_t* scratch) {
+  const int64_t ti = index / p.tile_cols, tj = index % p.tile_cols;
   source.stage(p, tile, ti * kTile, tj * kTile);
 
   uint32_t amax_bits = 0;   // this thread's max abs_bits(x), for p.amax
   float multiplier = 1.0f;  // per_tensor and block_128x128: the tile's one multiplier
   if constexpr (kMode == ScalingMode::per_tensor) {
     multiplier = *p.scale;
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (index == 0 && threadIdx.x == 0) {
       if (p.scale_inv != nullptr)
         static_cast<float*>(p.scale_inv)[0] = fp8::scale_inv_of(multiplier);
       if (p.scale_inv_t != nullptr)
@@ -375,6 +370,51 @@ __global__ void __launch_bounds__(kTileThreads)
   if (p.amax != nullptr) publish_amax<kTileThreads>(amax_bits, p.amax, scratch);
 }
 
+/// One CTA per tile of the matrix (blockIdx.x = tile). Traffic per bf16 element: 2 B read, 1 B per
+/// copy written (4 B with both copies; 6 B for f32), all as 16-byte coalesced accesses; shared
+/// memory is bank-conflict-free (TileLayout). Expect >= 85% of copy bandwidth for per-tensor
+/// cast-transpose and >= 75% for the block modes at large aligned shapes; edge tiles and unaligned
+/// shapes take the element-wise fallbacks.
+template <typename T, ScalingMode kMode, DType kFp8, typename Source>
+__global__ void __launch_bounds__(kTileThreads)
+    quantize_tile_kernel(const TileParams p, const Source source) {
+  extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
+  __shared__ uint32_t scratch[kTileWarps];
+  quantize_tile<T, kMode, kFp8>(p, source, blockIdx.x, reinterpret_cast<T*>(tile_smem), scratch);
+}
+
+/// Matrices per launch of the group kernel: a TileGroup of 16 with an MoE expert's source is
+/// about 3 KB, inside the 4 KB of kernel parameters that every CUDA version accepts.
+inline constexpr int kMaxTileGroup = 16;
+inline constexpr size_t kPortableParamBytes = 4096;
+
+/// Up to kMaxTileGroup matrices quantized by one launch: matrix m owns the CTAs [first_tile[m],
+/// first_tile[m + 1]), one per tile, so many small matrices fill the device together.
+template <typename Source>
+struct TileGroup {
+  TileParams params[kMaxTileGroup];
+  Source sources[kMaxTileGroup];
+  int64_t first_tile[kMaxTileGroup + 1];
+  int count;
+};
+
+/// CTAs per SM that the group kernel's registers must allow (64 a thread). Unbounded, bf16
+/// sources take 80-115: a matrix's parameters are indexed loads there, not the constant operands
+/// of the one-matrix kernel, which would leave 2 CTAs per SM.
+inline constexpr int kTileGroupCtasPerSm = 4;
+
+template <typename T, ScalingMode kMode, DType kFp8, typename Source>
+__global__ void __launch_bounds__(kTileThreads, kTileGroupCtasPerSm)
+    quantize_tile_group_kernel(const __grid_constant__ TileGroup<Source> group) {
+  extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
+  __shared__ uint32_t scratch[kTileWarps];
+  // This CTA's matrix: the last m with first_tile[m] <= blockIdx.x (uniform over the CTA).
+  int m = 0;
+  while (m + 1 < group.count && group.first_tile[m + 1] <= blockIdx.x) ++m;
+  quantize_tile<T, kMode, kFp8>(group.params[m], group.sources[m], blockIdx.x - group.first_tile[m],
+                                reinterpret_cast<T*>(tile_smem), scratch);
+}
+
 // ----------------------------------------------------------------------------
 // Host side
 
@@ -405,34 +445,52 @@ T* data_or_null(const Tensor& t) {
 /// Dynamic shared memory a kernel may use without opting in (all architectures since sm_70).
 inline constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
 
-template <typename T, ScalingMode kMode, DType kFp8, typename Source>
-void launch_quantize_tile(const TileParams& p, const Source& source, const Device& device,
-                          cudaStream_t stream) {
+/// Launches `kernel` (a tile kernel for T) with one CTA per tile and the tile in dynamic shared
+/// memory; f32 tiles (64 KiB) need the opt-in, once per device, recorded in the kernel's own
+/// `opted_in`.
+template <typename T, typename Kernel, typename... Args>
+void launch_tile_kernel(Kernel kernel, octet::cuda::PerDeviceFlag& opted_in, int64_t tiles,
+                        const Device& device, cudaStream_t stream, const Args&... args) {
   constexpr int kSmemBytes = TileLayout<T>::kBytes;
-  const auto kernel = quantize_tile_kernel<T, kMode, kFp8, Source>;
   if constexpr (kSmemBytes > kDefaultDynamicSmemBytes) {
-    // f32 tiles (64 KiB) need the opt-in, once per device.
-    static octet::cuda::PerDeviceFlag opted_in;
     if (!opted_in.test(device)) {
       OCTET_CHECK_CUDA(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
       opted_in.set(device);
     }
   }
-  const int64_t tiles = p.tile_rows * p.tile_cols;
-  OCTET_CHECK(tiles <= INT_MAX, "quantize: a [", p.rows, ", ", p.cols, "] matrix has ", tiles,
-              " tiles of ", kTile, "x", kTile, "; expected at most ", INT_MAX, " (gridDim.x)");
-  kernel<<<static_cast<unsigned>(tiles), kTileThreads, kSmemBytes, stream>>>(p, source);
+  kernel<<<static_cast<unsigned>(tiles), kTileThreads, kSmemBytes, stream>>>(args...);
   OCTET_CHECK_LAUNCH();
 }
 
-/// Quantizes the [rows, cols] matrix that `source` stages (of element type T) into `out` with the
-/// tile kernel: whichever copies `out` has allocated, their scales, args.amax, and args.column_sums
-/// when the transposed copy is written (the column pass computes them). Returns whether the
-/// column sums were done; if not, the caller adds them (sum_rows over the matrix).
-template <typename T, typename Source>
-bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const QuantizeArgs& args,
-                    const Source& source, const Device& device) {
+template <typename T, ScalingMode kMode, DType kFp8, typename Source>
+void launch_quantize_tile(const TileParams& p, const Source& source, const Device& device,
+                          cudaStream_t stream) {
+  static octet::cuda::PerDeviceFlag opted_in;
+  const int64_t tiles = p.tile_rows * p.tile_cols;
+  OCTET_CHECK(tiles <= INT_MAX, "quantize: a [", p.rows, ", ", p.cols, "] matrix has ", tiles,
+              " tiles of ", kTile, "x", kTile, "; expected at most ", INT_MAX, " (gridDim.x)");
+  launch_tile_kernel<T>(quantize_tile_kernel<T, kMode, kFp8, Source>, opted_in, tiles, device,
+                        stream, p, source);
+}
+
+template <typename T, ScalingMode kMode, DType kFp8, typename Source>
+void launch_quantize_tile_group(const TileGroup<Source>& group, const Device& device,
+                                cudaStream_t stream) {
+  static_assert(
+      sizeof(TileGroup<Source>) <= kPortableParamBytes,
+      "a TileGroup of this Source exceeds 4 KB of kernel parameters: lower kMaxTileGroup");
+  static octet::cuda::PerDeviceFlag opted_in;
+  const int64_t tiles = group.first_tile[group.count];
+  OCTET_CHECK(tiles <= INT_MAX, "quantize: a group of ", group.count, " matrices has ", tiles,
+              " tiles of ", kTile, "x", kTile, "; expected at most ", INT_MAX, " (gridDim.x)");
+  launch_tile_kernel<T>(quantize_tile_group_kernel<T, kMode, kFp8, Source>, opted_in, tiles, device,
+                        stream, group);
+}
+
+/// TileParams for quantizing a [rows, cols] matrix into `out` with `args`, without column sums.
+inline TileParams tile_params(int64_t rows, int64_t cols, fp8::QuantizedTensor& out,
+                              const QuantizeArgs& args) {
   TileParams p{};
   p.rows = rows;
   p.cols = cols;
@@ -451,6 +509,17 @@ bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const
   p.data_vec = p.data != nullptr && vec_aligned(p.data) && cols % kRunElems == 0;
   p.data_t_vec = p.data_t != nullptr && vec_aligned(p.data_t) && rows % kRunElems == 0;
   p.power_of_2 = args.power_of_2_block_scales;
+  return p;
+}
+
+/// Quantizes the [rows, cols] matrix that `source` stages (of element type T) into `out` with the
+/// tile kernel: whichever copies `out` has allocated, their scales, args.amax, and args.column_sums
+/// when the transposed copy is written (the column pass computes them). Returns whether the
+/// column sums were done; if not, the caller adds them (sum_rows over the matrix).
+template <typename T, typename Source>
+bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const QuantizeArgs& args,
+                    const Source& source, const Device& device) {
+  TileParams p = tile_params(rows, cols, out, args);
   // Column sums ride on the column pass.
   Tensor col_partials;  // stream-ordered workspace, freed after the kernels that use it
   if (args.column_sums.defined() && p.data_t != nullptr) {
@@ -467,6 +536,50 @@ bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const
   if (!col_partials.defined()) return false;
   combine_row_partials(col_partials, args.column_sums, args.accumulate_column_sums);
   return true;
+}
+
+/// One matrix of quantize_tile_group: [rows, cols] (both > 0) as `source` stages it, quantized into
+/// *out with *args (no column sums).
+template <typename Source>
+struct TileMatrix {
+  int64_t rows, cols;
+  fp8::QuantizedTensor* out;
+  const QuantizeArgs* args;
+  Source source;
+};
+
+/// quantize_tiles for many matrices of element type T: each run of consecutive matrices with one
+/// scaling mode and FP8 dtype goes in launches of up to kMaxTileGroup, so small matrices (an MoE's
+/// experts) share the device instead of taking a launch each. The results are those of
+/// quantize_tiles on each matrix: the same tile body with the same parameters.
+template <typename T, typename Source>
+void quantize_tile_group(std::span<const TileMatrix<Source>> matrices, const Device& device) {
+  const cudaStream_t stream = octet::cuda::stream(device);
+  for (size_t begin = 0; begin < matrices.size();) {
+    const fp8::QuantizedTensor& first = *matrices[begin].out;
+    TileGroup<Source> group{};
+    size_t end = begin;
+    for (; end < matrices.size() && group.count < kMaxTileGroup; ++end) {
+      const TileMatrix<Source>& m = matrices[end];
+      if (m.out->mode != first.mode || m.out->dtype != first.dtype) break;
+      OCTET_CHECK(m.rows > 0 && m.cols > 0 && !m.args->column_sums.defined(),
+                  "quantize_tile_group: matrix ", end, " is [", m.rows, ", ", m.cols,
+                  "] with column sums ", m.args->column_sums.defined() ? "on" : "off",
+                  "; expected a non-empty matrix without column sums");
+      const TileParams p = tile_params(m.rows, m.cols, *m.out, *m.args);
+      group.params[group.count] = p;
+      group.sources[group.count] = m.source;
+      group.first_tile[group.count + 1] = group.first_tile[group.count] + p.tile_rows * p.tile_cols;
+      ++group.count;
+    }
+    visit_mode(first.mode, [&](auto mode_tag) {
+      visit_fp8(first.dtype, [&](auto fp8_tag) {
+        launch_quantize_tile_group<T, decltype(mode_tag)::value, decltype(fp8_tag)::value>(
+            group, device, stream);
+      });
+    });
+    begin = end;
+  }
 }
 
 }  // namespace octet::ops::cuda::quant
