@@ -24,6 +24,7 @@
 #include "octet/ops/moe.h"
 #include "ops/activation_math.h"
 #include "ops/optimizer_math.h"  // rn::
+#include "ops/sorted_search.h"
 
 namespace octet::ops::moe {
 
@@ -197,16 +198,7 @@ void visit_activation(MoeActivation act, F&& f) {
 /// The expert owning permuted row r (offsets[experts] <= r: none, -1), by binary search.
 OCTET_HD int32_t expert_of_row(const int32_t* offsets, int64_t experts, int64_t r) {
   if (r >= offsets[experts]) return -1;
-  int64_t lo = 0, hi = experts - 1;  // the last e with offsets[e] <= r
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= r) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return static_cast<int32_t>(lo);
+  return static_cast<int32_t>(last_start_at_most(offsets, experts, r));
 }
 
 }  // namespace octet::ops::moe

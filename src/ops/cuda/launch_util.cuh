@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "octet/core/error.h"
+#include "ops/sorted_search.h"
 
 namespace octet::ops::cuda {
 
@@ -32,16 +33,7 @@ inline unsigned int grid_for(int64_t n) {
 /// [first[j], first[j + 1]), so it is the last j < count with first[j] <= block (first strictly
 /// increases: every entry has at least one CTA). A binary search, uniform over the CTA.
 __device__ __forceinline__ int owning_entry(const int32_t* first, int count, int block) {
-  int lo = 0, hi = count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (first[mid] <= block) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return static_cast<int>(last_start_at_most(first, count, block));
 }
 
 __device__ __forceinline__ int64_t global_index() {
