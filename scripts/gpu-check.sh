@@ -441,7 +441,8 @@ if len(runs) == 3:
     print(f"  peak GiB: bf16 {bf16['peak_gib']:.2f}, fp8 {fp8['peak_gib']:.2f} (target: fp8 <= bf16)")
     for name, run in (("bf16", bf16), ("fp8", fp8)):
         kinds = run.get("peak_by_kind_gib", {})
-        print(f"  {name} peak by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()))
+        print(f"  {name} peak by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) +
+              f"; GEMM plans made in the timed steps: {run.get('timed_gemm_plans', '?')}")
 else:
     print(f"  {len(runs)} of 3 runs reported (moe.log)")
 table = [l for l in lines if l.startswith("op ") or "% step" in l]

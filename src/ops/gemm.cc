@@ -6,6 +6,10 @@
 #include "ops/dispatch.h"
 #include "ops/gemm_backend.h"
 
+#if OCTET_WITH_CUDA
+#include "ops/cuda/cublaslt.h"
+#endif
+
 namespace octet::ops {
 
 GemmOperand GemmOperand::dense(const Tensor& data, bool transpose) {
@@ -197,6 +201,14 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
   dispatch(
       device, label.c_str(), [&] { cpu::gemm(a, b, d, args, shape); },
       [&] { OCTET_CUDA_ONLY(cuda::gemm(a, b, d, args, shape)); });
+}
+
+uint64_t gemm_plans_made() {
+#if OCTET_WITH_CUDA
+  return cuda::gemm_heuristic_queries();
+#else
+  return 0;
+#endif
 }
 
 }  // namespace octet::ops

@@ -16,6 +16,7 @@
 #include "octet/core/profiler.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/fusion.h"
+#include "octet/ops/gemm.h"
 #include "octet/ops/optimizer.h"
 #include "octet/train/checkpoint.h"
 #include "octet/train/commands.h"
@@ -459,7 +460,9 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   std::vector<double> rates;
   double loss = 0;
+  uint64_t plans_before_timing = 0;
   for (int64_t i = 0; i < warmup_steps + o.steps; ++i) {
+    if (i == warmup_steps) plans_before_timing = ops::gemm_plans_made();
     if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
     // Syncs at the grad-norm read; the AdamW it then launches is waited for by the next step.
@@ -499,7 +502,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           loss,
                           {.weights = gib(s.params, &Parameter::value),
                            .gradients = gib(s.params, &Parameter::grad),
-                           .optimizer = moments()}};
+                           .optimizer = moments()},
+                          static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing)};
   print_train_bench(result);
 }
 

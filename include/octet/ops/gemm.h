@@ -45,4 +45,9 @@ struct GemmArgs {
 /// per_tensor, block_1x128 x {block_1x128, block_128x128}, or mxfp8_1x32 x mxfp8_1x32.
 void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args = {});
 
+/// GEMM plans made so far in this process (0 without CUDA): one cuBLASLt heuristic query the first
+/// time a device sees a GEMM's shape, dtypes and layouts, a host-side cost. A count that keeps
+/// growing during training means the shapes keep changing (an MoE's rows per expert).
+uint64_t gemm_plans_made();
+
 }  // namespace octet::ops

@@ -44,6 +44,9 @@ struct TrainBenchResult {
   bool recompute = false;
   double tokens_per_s = 0, peak_gib = 0, last_loss = 0;
   MemoryByKind memory;
+  /// GEMM plans made during the timed steps (ops::gemm_plans_made): each a host-side cuBLASLt
+  /// query for a shape not seen before.
+  int64_t timed_gemm_plans = 0;
 };
 void print_train_bench(const TrainBenchResult& r);
 
