@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -81,6 +82,9 @@ void check_run_shape(const TrainOptions& o, const Precision& p) {
   OCTET_CHECK(o.steps > 0 && o.batch > 0 && o.seq > 0 && o.accum > 0,
               "steps, batch, seq and accum must be positive, got steps ", o.steps, ", batch ",
               o.batch, ", seq ", o.seq, ", accum ", o.accum);
+  OCTET_CHECK(o.batch <= std::numeric_limits<int32_t>::max() / o.seq, "batch*seq must be at most ",
+              std::numeric_limits<int32_t>::max(), " tokens a microbatch (token ids are int32), got ",
+              o.batch, "*", o.seq);
   OCTET_CHECK(o.lr > 0 && std::isfinite(o.lr), "lr must be positive, got ", o.lr);
   OCTET_CHECK(o.keep >= 0, "keep must be 0 (keep every checkpoint) or more, got ", o.keep);
   if (p.kind == Precision::Kind::fp8)

@@ -64,8 +64,8 @@ TEST(Cli, ImpossibleSizesAreOneLine) {
   const auto dir = testing::scratch_dir();
   expect_one_error_line(run_octet("train --device cpu --dim 30 --heads 4 --steps 1", dir),
                         "heads (4) must divide dim (30)");
-  expect_one_error_line(run_octet("train --device cpu --seq 100000 --steps 1", dir),
-                        "position table");
+  expect_one_error_line(run_octet("train --device cpu --batch 65536 --seq 65536 --steps 1", dir),
+                        "batch*seq must be at most 2147483647 tokens");
 }
 
 TEST(Cli, MissingDataAndCheckpointAreOneLine) {
