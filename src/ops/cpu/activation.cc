@@ -2,7 +2,7 @@
 // scalar formulas of activation_math.h, in f32, rounded once to the tensor's dtype.
 #include "ops/activation_backend.h"
 #include "ops/activation_math.h"
-#include "ops/cpu/raw_access.h"
+#include "ops/raw_access.h"
 
 namespace octet::ops::cpu {
 namespace {

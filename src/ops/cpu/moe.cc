@@ -8,7 +8,7 @@
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_math.h"
-#include "ops/cpu/raw_access.h"
+#include "ops/raw_access.h"
 
 namespace octet::ops::cpu {
 namespace {

@@ -291,12 +291,7 @@ unsigned grid_for(const Device& device, int64_t packs) {
 template <typename F>
 void visit_layout(DType dtype, int64_t unit, std::initializer_list<const void*> pointers, F&& f) {
   math::visit_dtype(dtype, [&](auto t) {
-    constexpr int kN = kVectorWidth<decltype(t)>;
-    if (unit % kN == 0 && vector_aligned(pointers)) {
-      f(t, std::integral_constant<int, kN>{});
-    } else {
-      f(t, std::integral_constant<int, 1>{});
-    }
+    visit_pack<decltype(t)>(unit, pointers, [&](auto pack) { f(t, pack); });
   });
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "octet/core/device.h"
 #include "octet/fp8/scaling_math.h"
@@ -49,6 +50,18 @@ inline bool vector_aligned(std::initializer_list<const void*> pointers) {
   for (const void* p : pointers)
     if (reinterpret_cast<uintptr_t>(p) % kVectorBytes != 0) return false;
   return true;
+}
+
+/// Runs f(std::integral_constant<int, kN>{}) with kN = kVectorWidth<T> (16-byte packs) when `unit`
+/// (the extent a pack must not straddle, e.g. a row) is a multiple of the pack and every pointer is
+/// aligned; else kN = 1, one element at a time.
+template <typename T, typename F>
+void visit_pack(int64_t unit, std::initializer_list<const void*> pointers, F&& f) {
+  if (unit % kVectorWidth<T> == 0 && vector_aligned(pointers)) {
+    f(std::integral_constant<int, kVectorWidth<T>>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
 }
 
 template <typename V, typename Op>

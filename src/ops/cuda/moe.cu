@@ -19,6 +19,7 @@
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_math.h"
+#include "ops/raw_access.h"
 
 namespace octet::ops::cuda {
 namespace {
@@ -34,18 +35,10 @@ static_assert(kLanes == kThreads, "the row kernels reduce with all their threads
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T>
-const T* in(const Tensor& t) {
-  return static_cast<const T*>(t.raw_data());
-}
-template <typename T>
-T* out(const Tensor& t) {
-  return static_cast<T*>(t.raw_data());
-}
 
 // ----------------------------------------------------------------------------
 // Rows in packs: a row kernel gives each thread kN consecutive elements, kN = kVectorWidth<T> (one
-// 16-byte access) when every row allows it (with_pack), else kN = 1, the element-wise fallback.
+// 16-byte access) when every row allows it (visit_pack), else kN = 1, the element-wise fallback.
 // Both do the same float operations on every element.
 
 /// The kN elements at p (aligned to the pack) as floats.
@@ -506,23 +499,12 @@ void visit(DType dtype, F&& f) {
   math::visit_dtype(dtype, std::forward<F>(f));
 }
 
-/// Runs f(std::integral_constant<int, kN>{}) with kN = kVectorWidth<T> when the rows of `dim`
-/// elements from each pointer are whole 16-byte packs, else kN = 1.
-template <typename T, typename F>
-void with_pack(int64_t dim, std::initializer_list<const void*> rows, F&& f) {
-  if (dim % kVectorWidth<T> == 0 && vector_aligned(rows)) {
-    f(std::integral_constant<int, kVectorWidth<T>>{});
-  } else {
-    f(std::integral_constant<int, 1>{});
-  }
-}
-
 /// y = the (prob-weighted, when prob is defined) sum of each token's rows of `rows`.
 void combine(const Tensor& rows, const Tensor& prob, const MoePlan& plan, const Tensor& y) {
   const cudaStream_t stream = octet::cuda::stream(y.device());
   visit(y.dtype(), [&](auto type) {
     using T = decltype(type);
-    with_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
+    visit_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
       combine_kernel<T, decltype(pack)::value>
           <<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
               in<T>(rows), prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.slot_row),
@@ -619,7 +601,7 @@ void moe_combine_backward(const Tensor& dy, const Tensor& expert_out, const Tens
     using T = decltype(type);
     const std::initializer_list<const void*> rows = {
         dy.raw_data(), quant::data_or_null<const void>(expert_out), d_expert_out.raw_data()};
-    with_pack<T>(dy.cols(), rows, [&](auto pack) {
+    visit_pack<T>(dy.cols(), rows, [&](auto pack) {
       combine_backward_kernel<T, decltype(pack)::value>
           <<<static_cast<unsigned>(plan.capacity()), kLanes, 0, stream>>>(
               in<T>(dy), quant::data_or_null<const T>(expert_out),
@@ -652,7 +634,7 @@ void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const T
     using T = decltype(type);
     const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
-      with_pack<T>(h.cols(), {fc1.raw_data(), h.raw_data(), b}, [&](auto pack) {
+      visit_pack<T>(h.cols(), {fc1.raw_data(), h.raw_data(), b}, [&](auto pack) {
         scaled_activation_forward_kernel<T, decltype(a)::value, decltype(pack)::value>
             <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
                 in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
@@ -705,7 +687,7 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
     using T = decltype(type);
     const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
-      with_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
+      visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
         scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
             <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
                 in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
@@ -717,7 +699,7 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
     if (!dbias.defined()) return;
     const int64_t tiles = rows / kMoeGroupAlign;
     const Tensor partial = Tensor::empty({tiles, f}, DType::f32, fc1.device());
-    with_pack<T>(f, {dh.raw_data(), partial.raw_data()}, [&](auto pack) {
+    visit_pack<T>(f, {dh.raw_data(), partial.raw_data()}, [&](auto pack) {
       constexpr int kN = decltype(pack)::value;
       const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads * kN));
       dbias_tile_partials_kernel<T, kN>
