@@ -29,6 +29,7 @@
 #include "ops/cuda/fp8_kernels.cuh"
 #include "ops/quantize_backend.h"
 #include "ops/reduce_backend.h"
+#include "ops/sorted_search.h"
 
 namespace octet::ops::cuda::quant {
 
@@ -409,8 +410,7 @@ __global__ void __launch_bounds__(kTileThreads, kTileGroupCtasPerSm)
   extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
   __shared__ uint32_t scratch[kTileWarps];
   // This CTA's matrix: the last m with first_tile[m] <= blockIdx.x (uniform over the CTA).
-  int m = 0;
-  while (m + 1 < group.count && group.first_tile[m + 1] <= blockIdx.x) ++m;
+  const int64_t m = last_start_at_most(group.first_tile, group.count, int64_t{blockIdx.x});
   quantize_tile<T, kMode, kFp8>(group.params[m], group.sources[m], blockIdx.x - group.first_tile[m],
                                 reinterpret_cast<T*>(tile_smem), scratch);
 }
