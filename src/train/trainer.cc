@@ -82,9 +82,9 @@ void check_run_shape(const TrainOptions& o, const Precision& p) {
   OCTET_CHECK(o.steps > 0 && o.batch > 0 && o.seq > 0 && o.accum > 0,
               "steps, batch, seq and accum must be positive, got steps ", o.steps, ", batch ",
               o.batch, ", seq ", o.seq, ", accum ", o.accum);
-  OCTET_CHECK(o.batch <= std::numeric_limits<int32_t>::max() / o.seq, "batch*seq must be at most ",
-              std::numeric_limits<int32_t>::max(), " tokens a microbatch (token ids are int32), got ",
-              o.batch, "*", o.seq);
+  constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();  // token ids are int32
+  OCTET_CHECK(o.batch <= kMaxTokens / o.seq, "batch*seq must be at most ", kMaxTokens,
+              " tokens a microbatch (token ids are int32), got ", o.batch, "*", o.seq);
   OCTET_CHECK(o.lr > 0 && std::isfinite(o.lr), "lr must be positive, got ", o.lr);
   OCTET_CHECK(o.keep >= 0, "keep must be 0 (keep every checkpoint) or more, got ", o.keep);
   if (p.kind == Precision::Kind::fp8)
@@ -481,17 +481,16 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     profiler::set_enabled(false);
     print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
   }
-  const auto gib = [](const auto& tensors, auto field) {
+  const auto gib = [](const std::vector<Tensor>& tensors) {
     double bytes = 0;
-    for (const auto& t : tensors) bytes += static_cast<double>((t.*field).nbytes());
+    for (const Tensor& t : tensors) bytes += static_cast<double>(t.nbytes());
     return bytes / (1 << 30);
   };
-  const auto moments = [&] {
-    double bytes = 0;
-    for (const auto* list : {&s.adam_m, &s.adam_v})
-      for (const Tensor& t : *list) bytes += t.defined() ? static_cast<double>(t.nbytes()) : 0.0;
-    return bytes / (1 << 30);
-  };
+  std::vector<Tensor> values, grads;
+  for (const Parameter& p : s.params) {
+    values.push_back(p.value);
+    grads.push_back(p.grad);
+  }
   TrainBenchResult result{config.preset,
                           precision.name(),
                           device.str(),
@@ -504,9 +503,9 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           median,
                           static_cast<double>(device_peak_bytes(device)) / (1 << 30),
                           loss,
-                          {.weights = gib(s.params, &Parameter::value),
-                           .gradients = gib(s.params, &Parameter::grad),
-                           .optimizer = moments()},
+                          {.weights = gib(values),
+                           .gradients = gib(grads),
+                           .optimizer = gib(s.adam_m) + gib(s.adam_v)},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing)};
   print_train_bench(result);
 }
