@@ -93,6 +93,8 @@ record() { printf '%s\t%s\n' "$1" "$2" >>"$STATE/results.tsv"; }
 # fail STAGE REASON: a failure, reported in the summary and in the exit code.
 fail() { record "failure" "$1: $2"; echo "gpu-check: FAILED $1: $2" >&2; }
 now() { date +%s; }
+# gtest_tally LOG: gtest's "[  PASSED  ] N tests." and "[  FAILED  ] N tests" lines, on one line.
+gtest_tally() { grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$1" | tr '\n' ' '; }
 
 # ------------------------------------------------------------------------------------------------
 stage_build() {
@@ -376,7 +378,7 @@ stage_soak() {
   OCTET_GPU_SOAK=1 timeout "${SOAK_TIMEOUT:-300}" "$TESTS_BIN" --gtest_brief=1 \
     --gtest_filter='Recipes/GuardGpuSoak.*' >>"$log" 2>&1
   rc=$?
-  record soak_guard "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$log" | tr '\n' ' ')exit $rc"
+  record soak_guard "$(gtest_tally "$log")exit $rc"
   [[ $rc -ne 0 ]] && fail soak "the guard soak exited $rc (soak.log)"
   echo "=== seed sweep of the CUDA parity suites" >>"$log"
   OCTET_BUILD_DIR="$BUILD_DIR" GPU=1 DEADLINE="${SWEEP_TIMEOUT:-400}" \
@@ -413,7 +415,7 @@ stage_moe() {
     --gtest_filter='Gpu/MoERepeatability.*:Gpu/GroupedLinearRepeatability.*:Ops/FieldShapeRepeatability.*' \
     >>"$log" 2>&1
   rc=$?
-  record moe_repeat "$(grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test' "$log" | tr '\n' ' ')exit $rc"
+  record moe_repeat "$(gtest_tally "$log")exit $rc"
   [[ $rc -ne 0 ]] && fail moe "the 8-run field-shape repeatability tests exited $rc (moe.log)"
   for args in "--precision bf16" "--precision fp8-delayed" "--precision fp8-delayed --deterministic"; do
     echo "=== octet bench train --model moe-16x2048 $args" >>"$log"
