@@ -298,17 +298,6 @@ constexpr int64_t kFieldHidden = 2048;
 /// atomics at this shape differ on almost every run); OCTET_TEST_REPEATS asks for more.
 constexpr int kFieldRuns = 3;
 
-/// The inputs of the two steps, drawn once and shared by every run: (x, dy) on the GPU.
-std::vector<std::pair<Tensor, Tensor>> field_inputs(int64_t rows, uint64_t seed) {
-  std::vector<std::pair<Tensor, Tensor>> steps;
-  for (int step = 0; step < 2; ++step)
-    steps.emplace_back(
-        testing::random_tensor({rows, kFieldHidden}, DType::bf16, seed + step).to(Device::cuda(0)),
-        testing::random_tensor({rows, kFieldHidden}, DType::bf16, seed + 5 + step)
-            .to(Device::cuda(0)));
-  return steps;
-}
-
 /// Bytes of dx, every dW and db and every FP8 state after two steps from fixed inputs.
 std::vector<std::vector<uint8_t>> field_run(const Precision& p, uint64_t seed,
                                             const std::vector<int64_t>& offsets,
@@ -339,7 +328,7 @@ TEST_P(GroupedLinearRepeatability, FieldShapeRepeatsByteForByte) {
   std::printf("grouped GEMM path: %s\n", ops::grouped_gemm_path(Device::cuda(0)).c_str());
   const std::vector<int64_t> offsets =
       offsets_of(std::vector<int64_t>(kFieldExperts, 1), kFieldTokensPerExpert);
-  const auto steps = field_inputs(offsets.back(), seed);
+  const auto steps = testing::two_step_inputs(offsets.back(), kFieldHidden, seed);
   const auto first = field_run(GetParam(), seed, offsets, steps);
   const int runs = testing::repeats(kFieldRuns);
   int differing = 0;

@@ -385,30 +385,15 @@ constexpr int64_t kFieldHidden = 2048;
 /// runs catch them; OCTET_TEST_REPEATS asks for more.
 constexpr int kFieldRuns = 3;
 
-/// The inputs of the two steps, drawn once and shared by every run.
-struct FieldInputs {
-  std::vector<std::pair<Tensor, Tensor>> steps;  ///< (x, dy) on the GPU
-};
-
-FieldInputs field_inputs(uint64_t seed) {
-  FieldInputs in;
-  for (int step = 0; step < 2; ++step)
-    in.steps.emplace_back(
-        testing::random_tensor({kFieldTokens, kFieldHidden}, DType::bf16, seed + step)
-            .to(Device::cuda(0)),
-        testing::random_tensor({kFieldTokens, kFieldHidden}, DType::bf16, seed + 5 + step)
-            .to(Device::cuda(0)));
-  return in;
-}
-
 /// Bytes of dx, dprob, dbias, every dW and every FP8 state after two steps from fixed inputs.
 std::vector<std::vector<uint8_t>> field_run(const Precision& p, ops::MoeActivation act,
-                                            uint64_t seed, const FieldInputs& in) {
+                                            uint64_t seed,
+                                            const std::vector<std::pair<Tensor, Tensor>>& steps) {
   MoE moe(moe_config(kFieldHidden, kFieldHidden, kFieldExperts, kFieldTopk, act), Device::cuda(0),
           seed, p ? DType::f32 : DType::bf16);
   AmaxRegistry registry;
   std::vector<std::vector<uint8_t>> bytes;
-  for (const auto& [x, dy] : in.steps) {
+  for (const auto& [x, dy] : steps) {
     const auto [y, dx] = moe_step(moe, registry, p, x, dy);
     for (const Tensor& t : {y, dx, moe.last_dprob()}) {
       const std::vector<float> values = host(t);
@@ -430,12 +415,12 @@ TEST_P(MoERepeatability, FieldShapeRepeatsByteForByte) {
   if (testing::small_tests_only()) GTEST_SKIP() << "OCTET_TEST_SMALL: the field shape is large";
   const auto& [precision, act] = GetParam();
   const uint64_t seed = fresh_seed();
-  const FieldInputs in = field_inputs(seed);
-  const auto first = field_run(precision, act, seed, in);
+  const auto steps = testing::two_step_inputs(kFieldTokens, kFieldHidden, seed);
+  const auto first = field_run(precision, act, seed, steps);
   const int runs = testing::repeats(kFieldRuns);
   int differing = 0;
   for (int r = 1; r < runs; ++r)
-    if (field_run(precision, act, seed, in) != first) ++differing;
+    if (field_run(precision, act, seed, steps) != first) ++differing;
   EXPECT_EQ(differing, 0) << differing << " of " << runs - 1
                           << " repeats differ from the first in dx, dprob, dbias, a dW or an "
                              "FP8 state";

@@ -1,11 +1,15 @@
-// Helpers shared by the nn tests: readable Recipe parameters and the tensors of an FP8 state.
+// Helpers shared by the nn tests: readable Recipe parameters, the tensors of an FP8 state, and the
+// inputs of the field-shape repeatability runs.
 #pragma once
 
+#include <cstdint>
 #include <ostream>
+#include <utility>
 #include <vector>
 
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
+#include "test_util.h"
 
 namespace octet::fp8 {
 /// Readable test parameters (the struct's padding bytes would print as noise).
@@ -22,6 +26,18 @@ inline std::vector<Tensor> state_tensors(const nn::FP8State& state) {
     out.insert(out.end(), {g.amax_history, g.scale, g.scale_inv, state.last_amax(pass)});
   }
   return out;
+}
+
+/// (x, dy) of two training steps, bf16 [rows, cols] on cuda:0, from `seed` (x of step s from
+/// seed + s, dy from seed + 5 + s): drawn once and shared by every run of a repeatability test.
+inline std::vector<std::pair<Tensor, Tensor>> two_step_inputs(int64_t rows, int64_t cols,
+                                                              uint64_t seed) {
+  std::vector<std::pair<Tensor, Tensor>> steps;
+  const Device gpu = Device::cuda(0);
+  for (int step = 0; step < 2; ++step)
+    steps.emplace_back(random_tensor({rows, cols}, DType::bf16, seed + step).to(gpu),
+                       random_tensor({rows, cols}, DType::bf16, seed + 5 + step).to(gpu));
+  return steps;
 }
 
 }  // namespace octet::testing
