@@ -21,7 +21,7 @@ using Clock = std::chrono::steady_clock;
 struct Record {
   std::string op;
   Device device;
-  Clock::time_point host_start, host_stop;  ///< CPU ops
+  Clock::time_point host_start, host_stop;  ///< the call on the host, every op
 #if OCTET_WITH_CUDA
   cudaEvent_t start = nullptr, stop = nullptr;  ///< GPU ops
 #endif
@@ -79,9 +79,7 @@ OpScope::OpScope(const Device& device, const char* op) : device_(device) {
   Record r;
   r.op = op;
   r.device = device;
-  if (device.is_cpu()) {
-    r.host_start = Clock::now();
-  } else {
+  if (!device.is_cpu()) {
 #if OCTET_WITH_CUDA
     r.start = s.take_event(device.index);
     r.stop = s.take_event(device.index);
@@ -89,6 +87,7 @@ OpScope::OpScope(const Device& device, const char* op) : device_(device) {
 #endif
   }
   pending_ = static_cast<int64_t>(s.records.size());
+  r.host_start = Clock::now();
   s.records.push_back(std::move(r));
 }
 
@@ -99,9 +98,8 @@ OpScope::~OpScope() {
   std::lock_guard lock(s.mutex);
   if (pending_ >= static_cast<int64_t>(s.records.size())) return;  // collected meanwhile
   Record& r = s.records[static_cast<size_t>(pending_)];
-  if (device_.is_cpu()) {
-    r.host_stop = Clock::now();
-  } else {
+  r.host_stop = Clock::now();
+  if (!device_.is_cpu()) {
 #if OCTET_WITH_CUDA
     // A destructor must not throw: an unrecorded stop event reads as 0 ms in collect().
     if (cudaEventRecord(r.stop, cuda::stream(device_)) != cudaSuccess) (void)cudaGetLastError();
@@ -117,8 +115,11 @@ std::vector<OpTime> collect() {
     OpTime& t = totals[r.op];
     t.op = r.op;
     ++t.calls;
+    const double host_ms =
+        std::chrono::duration<double, std::milli>(r.host_stop - r.host_start).count();
+    t.host_ms += host_ms;
     if (r.device.is_cpu()) {
-      t.ms += std::chrono::duration<double, std::milli>(r.host_stop - r.host_start).count();
+      t.ms += host_ms;
       continue;
     }
 #if OCTET_WITH_CUDA

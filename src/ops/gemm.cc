@@ -211,4 +211,12 @@ uint64_t gemm_plans_made() {
 #endif
 }
 
+double gemm_planning_seconds() {
+#if OCTET_WITH_CUDA
+  return cuda::gemm_heuristic_seconds();
+#else
+  return 0;
+#endif
+}
+
 }  // namespace octet::ops

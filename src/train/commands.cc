@@ -101,20 +101,23 @@ void print_arithmetic_skill(GPT& model) {
       100.0 * static_cast<double>(right) / static_cast<double>(std::max<int64_t>(chars, 1)));
 }
 
-/// The op profiler's totals over `steps` steps of `step_ms` median wall time each, as a table.
+/// The op profiler's totals over `steps` steps of `step_ms` median wall time each, as a table:
+/// device time per step, its share of the step, and the host time of the same calls (an op whose
+/// host time nears its device time kept the GPU waiting for the host).
 void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms) {
-  double total = 0;
-  for (const auto& t : ops) total += t.ms;
-  std::fprintf(stderr, "%-48s %9s %10s %7s\n", "op", "calls/step", "ms/step", "% step");
+  const auto per_step = [&](double total) { return total / static_cast<double>(steps); };
+  double total = 0, host_total = 0;
+  std::fprintf(stderr, "%-48s %9s %10s %7s %13s\n", "op", "calls/step", "ms/step", "% step",
+               "host ms/step");
   for (const auto& t : ops) {
-    const double ms = t.ms / static_cast<double>(steps);
-    std::fprintf(stderr, "%-48s %9.1f %10.3f %6.1f%%\n", t.op.c_str(),
-                 static_cast<double>(t.calls) / static_cast<double>(steps), ms,
-                 100.0 * ms / step_ms);
+    total += t.ms;
+    host_total += t.host_ms;
+    std::fprintf(stderr, "%-48s %9.1f %10.3f %6.1f%% %13.3f\n", t.op.c_str(),
+                 static_cast<double>(t.calls) / static_cast<double>(steps), per_step(t.ms),
+                 100.0 * per_step(t.ms) / step_ms, per_step(t.host_ms));
   }
-  const double in_ops = total / static_cast<double>(steps);
-  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "all ops", "", in_ops,
-               100.0 * in_ops / step_ms);
+  std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%% %13.3f\n", "all ops", "", per_step(total),
+               100.0 * per_step(total) / step_ms, per_step(host_total));
   std::fprintf(stderr, "%-48s %9s %10.3f %6.1f%%\n", "step (median wall time)", "", step_ms, 100.0);
 }
 
@@ -125,11 +128,13 @@ void print_train_bench(const TrainBenchResult& r) {
       "\"batch\":%lld,\"seq\":%lld,\"accum\":%lld,\"recompute\":%s,\"steps\":%lld,"
       "\"tokens_per_s\":%.9g,\"peak_gib\":%.4f,\"params\":%lld,\"last_loss\":%.6g,"
       "\"peak_by_kind_gib\":{\"weights\":%.4f,\"gradients\":%.4f,\"optimizer\":%.4f,"
-      "\"activations_and_other\":%.4f},\"timed_gemm_plans\":%lld}\n",
+      "\"activations_and_other\":%.4f},\"timed_gemm_plans\":%lld,"
+      "\"timed_gemm_plan_ms\":%.3f}\n",
       r.model.c_str(), r.precision.c_str(), r.device.c_str(), (long long)r.batch, (long long)r.seq,
       (long long)r.accum, r.recompute ? "true" : "false", (long long)r.steps, r.tokens_per_s,
       r.peak_gib, (long long)r.params, r.last_loss, m.weights, m.gradients, m.optimizer,
-      r.peak_gib - m.weights - m.gradients - m.optimizer, (long long)r.timed_gemm_plans);
+      r.peak_gib - m.weights - m.gradients - m.optimizer, (long long)r.timed_gemm_plans,
+      r.timed_gemm_plan_ms);
 }
 
 namespace {

@@ -465,8 +465,12 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   std::vector<double> rates;
   double loss = 0;
   uint64_t plans_before_timing = 0;
+  double planning_before_timing = 0;
   for (int64_t i = 0; i < warmup_steps + o.steps; ++i) {
-    if (i == warmup_steps) plans_before_timing = ops::gemm_plans_made();
+    if (i == warmup_steps) {
+      plans_before_timing = ops::gemm_plans_made();
+      planning_before_timing = ops::gemm_planning_seconds();
+    }
     if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
     // Syncs at the grad-norm read; the AdamW it then launches is waited for by the next step.
@@ -506,7 +510,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           {.weights = gib(values),
                            .gradients = gib(grads),
                            .optimizer = gib(s.adam_m) + gib(s.adam_v)},
-                          static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing)};
+                          static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
+                          1000.0 * (ops::gemm_planning_seconds() - planning_before_timing)};
   print_train_bench(result);
 }
 

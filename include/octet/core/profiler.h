@@ -3,6 +3,8 @@
 // While enabled, every op entry point (ops::dispatch) is timed on its device: CUDA events on
 // octet's stream for GPU ops, the host clock for CPU ops. Only the outermost op of a nested call
 // is timed, so the totals add up without double counting. Disabled, it costs one branch per op.
+// The host clock also times each GPU op's call (checks, planning, launches): where that is close
+// to its device time, the GPU waited for the host, and the op is host-bound.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +19,8 @@ namespace octet::profiler {
 struct OpTime {
   std::string op;
   int64_t calls = 0;
-  double ms = 0;
+  double ms = 0;       ///< on the op's device
+  double host_ms = 0;  ///< in the calls on the host (the same as ms for CPU ops)
 };
 
 /// Turns op timing on or off; the enabled window is also the CUDA profiler's capture range

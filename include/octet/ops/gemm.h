@@ -49,5 +49,7 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
 /// time a device sees a GEMM's shape, dtypes and layouts, a host-side cost. A count that keeps
 /// growing during training means the shapes keep changing (an MoE's rows per expert).
 uint64_t gemm_plans_made();
+/// Host seconds spent making those plans (0 without CUDA).
+double gemm_planning_seconds();
 
 }  // namespace octet::ops

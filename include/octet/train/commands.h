@@ -47,6 +47,7 @@ struct TrainBenchResult {
   /// GEMM plans made during the timed steps (ops::gemm_plans_made): each a host-side cuBLASLt
   /// query for a shape not seen before.
   int64_t timed_gemm_plans = 0;
+  double timed_gemm_plan_ms = 0;  ///< the host time those queries took, in all timed steps
 };
 void print_train_bench(const TrainBenchResult& r);
 

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <cstdint>
 #include <memory>
@@ -73,6 +74,7 @@ struct PlanCache {
   std::mutex mutex;
   std::map<MatmulSpec::Key, Plan> plans;
   std::atomic<uint64_t> heuristic_queries{0};
+  std::atomic<uint64_t> heuristic_nanoseconds{0};
   std::atomic<uint64_t> mxfp8_emulations{0};
   std::atomic<uint64_t> unfused_addends{0};
 };
@@ -102,9 +104,14 @@ bool query_heuristic(const MatmulSpec& spec, Descriptors& desc, bool restrict_re
   }
   cublasLtMatmulHeuristicResult_t result{};
   int count = 0;
-  plan_cache().heuristic_queries.fetch_add(1, std::memory_order_relaxed);
+  const auto start = std::chrono::steady_clock::now();
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       lt.handle, &desc.op, &desc.a, &desc.b, &desc.c, &desc.d, &pref, 1, &result, &count);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  plan_cache().heuristic_queries.fetch_add(1, std::memory_order_relaxed);
+  plan_cache().heuristic_nanoseconds.fetch_add(
+      static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(elapsed).count()),
+      std::memory_order_relaxed);
   if (status == CUBLAS_STATUS_NOT_SUPPORTED) return false;
   if (probe && (status == CUBLAS_STATUS_INVALID_VALUE || status == CUBLAS_STATUS_ARCH_MISMATCH)) {
     return false;
@@ -276,6 +283,10 @@ size_t gemm_cache_size() {
 }
 
 uint64_t gemm_heuristic_queries() { return plan_cache().heuristic_queries.load(); }
+
+double gemm_heuristic_seconds() {
+  return static_cast<double>(plan_cache().heuristic_nanoseconds.load()) * 1e-9;
+}
 
 uint64_t gemm_mxfp8_emulations() { return plan_cache().mxfp8_emulations.load(); }
 

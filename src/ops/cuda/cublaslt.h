@@ -45,8 +45,10 @@ const CublasLt& cublaslt(const Device& device);
 
 /// Entries in the GEMM algorithm cache (one per device, shape, dtypes, layouts, ... key).
 size_t gemm_cache_size();
-/// How many times the GEMM backend asked cuBLASLt for a heuristic since the process started.
+/// How many times the GEMM backend asked cuBLASLt for a heuristic since the process started, and
+/// the host seconds those queries took.
 uint64_t gemm_heuristic_queries();
+double gemm_heuristic_seconds();
 /// How many MXFP8 GEMMs ran emulated (dequantize to BF16, then a BF16 GEMM).
 uint64_t gemm_mxfp8_emulations();
 /// How many GEMMs with an addend ran it as a separate pass because cuBLASLt declined C != D (its
