@@ -142,7 +142,7 @@ void bm_scaled_activation_backward(benchmark::State& state) {
     const Backward b = backward_buffers();
     const double seconds = time_loop(state, [&] { run_backward(b); });
     const double bytes = bytes_of(b.dh) + bytes_of(b.fc1) + bytes_of(b.dfc1);
-    const double tile_partials = static_cast<double>(field().capacity / ops::kMoeGroupAlign) *
+    const double tile_partials = static_cast<double>(field().capacity / ops::kMoeBiasTileRows) *
                                  kFfn * sizeof(float);  // written by pass 1, read by pass 2
     // dbias pass 1 is a kernel of its own: it reads dh a second time.
     report_memory(

@@ -19,9 +19,15 @@
 
 namespace octet::ops {
 
-/// Rows of every expert group in the permuted layout are padded to a multiple of this: the FP8
-/// GEMMs' alignment (cuBLASLt FP8 needs leading dimensions that are multiples of 16 bytes).
-inline constexpr int64_t kMoeGroupAlign = 16;
+/// Rows of every expert group in the permuted layout are padded to a multiple of this. FP8 GEMMs
+/// need 16 (cuBLASLt's leading dimensions are multiples of 16 bytes); 128 is the row tile of
+/// Hopper's GEMM kernels, so a partial tile costs what a full one does anyway, and rows per expert
+/// then take few distinct values: the per-expert GEMMs reuse their cuBLASLt plans step after
+/// step instead of planning each new row count on the host.
+inline constexpr int64_t kMoeGroupAlign = 128;
+/// The per-expert bias gradient sums partials of this many rows (groups hold whole tiles).
+inline constexpr int64_t kMoeBiasTileRows = 16;
+static_assert(kMoeGroupAlign % kMoeBiasTileRows == 0);
 
 /// How the router turns logits into scores.
 enum class RouterScoring : uint8_t {
@@ -162,8 +168,8 @@ void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const T
 ///   d_row_prob[r] = sum_j dh[r, j] * (act(fc1)[r, j] + bias[e(r), j]) (f32 [capacity]), one row
 ///     per CTA in fixed_order_reduce.h's order over kMoeDotLanes lanes;
 ///   dbias[e, j] (f32 [experts, F], overwritten; only with bias) = sum over the rows of e of
-///     dh[r, j] * row_prob[r]: per kMoeGroupAlign-row tile in row order, then the tiles of e in
-///     order (groups are padded to that tile, so no tile spans two experts).
+///     dh[r, j] * row_prob[r]: per kMoeBiasTileRows-row tile in row order, then the tiles of e in
+///     order (groups are padded to whole tiles, so no tile spans two experts).
 void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const Tensor& fc1,
                                     const Tensor& row_prob, const MoePlan& plan,
                                     const Tensor& bias, const Tensor& dfc1,

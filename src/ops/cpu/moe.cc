@@ -266,9 +266,9 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
     }
   });
   if (!dbias.defined()) return;
-  // Partials per kMoeGroupAlign-row tile (rows in order, padding rows skipped), then per expert
-  // its tiles in order: the CUDA kernels' two passes.
-  const int64_t tiles = rows / kMoeGroupAlign;
+  // Partials per kMoeBiasTileRows-row tile (rows in order, padding rows skipped), then per
+  // expert its tiles in order: the CUDA kernels' two passes.
+  const int64_t tiles = rows / kMoeBiasTileRows;
   std::vector<float> partial(tiles * f);
   math::visit_dtype(dh.dtype(), [&](auto type) {
     using T = decltype(type);
@@ -276,7 +276,7 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
     for (int64_t tile = 0; tile < tiles; ++tile)
       for (int64_t j = 0; j < f; ++j) {
         float acc = 0.0f;
-        for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r)
+        for (int64_t r = tile * kMoeBiasTileRows; r < (tile + 1) * kMoeBiasTileRows; ++r)
           if (row_source(plan, r).token >= 0)
             acc = rn::add(acc, rn::mul(to_float(in<T>(dh)[r * f + j]), p[r]));
         partial[tile * f + j] = acc;
@@ -286,7 +286,7 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
   for (int64_t e = 0; e < experts; ++e)
     for (int64_t j = 0; j < f; ++j) {
       float acc = 0.0f;
-      for (int64_t tile = offsets[e] / kMoeGroupAlign; tile < offsets[e + 1] / kMoeGroupAlign;
+      for (int64_t tile = offsets[e] / kMoeBiasTileRows; tile < offsets[e + 1] / kMoeBiasTileRows;
            ++tile)
         acc = rn::add(acc, partial[tile * f + j]);
       db[e * f + j] = acc;

@@ -466,7 +466,7 @@ __global__ void dbias_tile_partials_kernel(const T* __restrict__ dh,
   Pack<float, kN> acc;
 #pragma unroll
   for (int k = 0; k < kN; ++k) acc.v[k] = 0.0f;
-  for (int64_t r = tile * kMoeGroupAlign; r < (tile + 1) * kMoeGroupAlign; ++r) {
+  for (int64_t r = tile * kMoeBiasTileRows; r < (tile + 1) * kMoeBiasTileRows; ++r) {
     if (row_map[2 * r] < 0) continue;
     float g[kN];
     load_floats<kN>(dh + r * f + j, g);
@@ -483,7 +483,8 @@ __global__ void dbias_expert_sum_kernel(const float* partial, const int32_t* off
   const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (j >= f) return;
   float acc = 0.0f;
-  for (int64_t tile = offsets[e] / kMoeGroupAlign; tile < offsets[e + 1] / kMoeGroupAlign; ++tile)
+  for (int64_t tile = offsets[e] / kMoeBiasTileRows; tile < offsets[e + 1] / kMoeBiasTileRows;
+       ++tile)
     acc = rn::add(acc, partial[tile * f + j]);
   dbias[e * f + j] = acc;
 }
@@ -697,7 +698,7 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
       });
     });
     if (!dbias.defined()) return;
-    const int64_t tiles = rows / kMoeGroupAlign;
+    const int64_t tiles = rows / kMoeBiasTileRows;
     const Tensor partial = Tensor::empty({tiles, f}, DType::f32, fc1.device());
     visit_pack<T>(f, {dh.raw_data(), partial.raw_data()}, [&](auto pack) {
       constexpr int kN = decltype(pack)::value;
