@@ -58,7 +58,9 @@
 #   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
 #   CONVERGENCE_TIMEOUT  seconds for the convergence stage (default 560)
 #   SOAK_TIMEOUT, SWEEP_TIMEOUT  seconds for the soak stage's guard soak (300) and seed sweep (400;
-#                        the sweep reports the seeds it finished); SWEEP_SEEDS (default 10)
+#                        the sweep reports the seeds it finished); SWEEP_SEEDS (default 10) from
+#                        SWEEP_FIRST (default 1), at small shapes unless SWEEP_SMALL=0; SOAK_PARTS
+#                        (default "guard sweep snapshot") picks the soak stage's parts
 #   CONVERGENCE_DIR      its runs, kept between calls (default runs/convergence-gpu); SEEDS, CORPORA
 #                        and PRECISIONS pass through to scripts/convergence.sh
 #
@@ -364,28 +366,43 @@ sys.stdout.write(blocks[0] + "\nprint(\"README example: loss after 200 steps\", 
 
 # ------------------------------------------------------------------------------------------------
 # The long GPU checks of issue 15: the guard soak over every recipe with and without recompute
-# (OCTET_GPU_SOAK=1), the CUDA parity suites under SWEEP_SEEDS seeds (scripts/seed-sweep.sh), and
-# what the per-step FP8 snapshot costs (`octet bench train --profile`, its fp8_snapshot row).
+# (OCTET_GPU_SOAK=1), the CUDA parity suites under SWEEP_SEEDS seeds from SWEEP_FIRST
+# (scripts/seed-sweep.sh), and what the per-step FP8 snapshot costs (`octet bench train --profile`,
+# its fp8_snapshot row). SOAK_PARTS (default "guard sweep snapshot") picks among the three. The
+# sweep runs with OCTET_TEST_SMALL=1 unless SWEEP_SMALL=0: one seed at every shape takes about
+# 290 s on an H200, nearly all of it the CPU references of the 16384x8192 cases, whose kernels the
+# smaller shapes run too.
 stage_soak() {
-  local start rc log="$OUT/soak.log"
+  local start rc log="$OUT/soak.log" parts=" ${SOAK_PARTS:-guard sweep snapshot} "
   start=$(now)
   : >"$log"
   if [[ ! -x "$TESTS_BIN" ]]; then
     fail soak "no $TESTS_BIN (build failed?)"
     return
   fi
-  echo "=== OCTET_GPU_SOAK=1 Recipes/GuardGpuSoak.*" >>"$log"
-  OCTET_GPU_SOAK=1 timeout "${SOAK_TIMEOUT:-300}" "$TESTS_BIN" --gtest_brief=1 \
-    --gtest_filter='Recipes/GuardGpuSoak.*' >>"$log" 2>&1
-  rc=$?
-  record soak_guard "$(gtest_tally "$log")exit $rc"
-  [[ $rc -ne 0 ]] && fail soak "the guard soak exited $rc (soak.log)"
-  echo "=== seed sweep of the CUDA parity suites" >>"$log"
-  OCTET_BUILD_DIR="$BUILD_DIR" GPU=1 DEADLINE="${SWEEP_TIMEOUT:-400}" \
-    scripts/seed-sweep.sh "${SWEEP_SEEDS:-10}" >>"$log" 2>&1
-  rc=$?
-  record soak_sweep "$(grep '^seed sweep' "$log" | tail -1) (exit $rc)"
-  [[ $rc -ne 0 ]] && fail soak "the seed sweep found failures (soak.log)"
+  if [[ $parts == *" guard "* ]]; then
+    echo "=== OCTET_GPU_SOAK=1 Recipes/GuardGpuSoak.*" >>"$log"
+    OCTET_GPU_SOAK=1 timeout "${SOAK_TIMEOUT:-300}" "$TESTS_BIN" --gtest_brief=1 \
+      --gtest_filter='Recipes/GuardGpuSoak.*' >>"$log" 2>&1
+    rc=$?
+    record soak_guard "$(gtest_tally "$log")exit $rc"
+    [[ $rc -ne 0 ]] && fail soak "the guard soak exited $rc (soak.log)"
+  fi
+  if [[ $parts == *" sweep "* ]]; then
+    echo "=== seed sweep of the CUDA parity suites (OCTET_TEST_SMALL=${SWEEP_SMALL:-1})" >>"$log"
+    local small=()
+    [[ ${SWEEP_SMALL:-1} == 1 ]] && small=(OCTET_TEST_SMALL=1)
+    env "${small[@]}" OCTET_BUILD_DIR="$BUILD_DIR" GPU=1 FIRST="${SWEEP_FIRST:-1}" \
+      DEADLINE="${SWEEP_TIMEOUT:-400}" scripts/seed-sweep.sh "${SWEEP_SEEDS:-10}" >>"$log" 2>&1
+    rc=$?
+    record soak_sweep \
+      "$(grep '^seed sweep' "$log" | tail -1) (OCTET_TEST_SMALL=${SWEEP_SMALL:-1}, exit $rc)"
+    [[ $rc -ne 0 ]] && fail soak "the seed sweep found failures (soak.log)"
+  fi
+  if [[ $parts != *" snapshot "* ]]; then
+    record soak_seconds $(($(now) - start))
+    return
+  fi
   echo "=== octet bench train --model gpt2-124m --profile" >>"$log"
   timeout 180 "$BUILD_DIR/octet" bench train --model gpt2-124m --steps 10 --profile >>"$log" 2>&1
   rc=$?
@@ -444,13 +461,15 @@ if len(runs) == 3:
     for name, run in (("bf16", bf16), ("fp8", fp8)):
         kinds = run.get("peak_by_kind_gib", {})
         print(f"  {name} peak by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) +
-              f"; GEMM plans made in the timed steps: {run.get('timed_gemm_plans', '?')}")
+              f"; GEMM plans made in the timed steps: {run.get('timed_gemm_plans', '?')} "
+              f"({run.get('timed_gemm_plan_ms', 0):.1f} ms of host time)")
 else:
     print(f"  {len(runs)} of 3 runs reported (moe.log)")
 table = [l for l in lines if l.startswith("op ") or "% step" in l]
 if table:
     start = lines.index(table[0])
     print("  fp8-delayed profile, top rows:")
+    print("    op calls/step ms/step %step host-ms/step")
     for l in lines[start + 1:start + 9]:
         print("    " + " ".join(l.split()))
 PY
