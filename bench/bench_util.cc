@@ -167,6 +167,25 @@ double copy_bandwidth() {
   return bandwidth;
 }
 
+double copy_bandwidth_at(double bytes) {
+  static auto* measured = new std::map<int64_t, double>;  // bandwidth by bytes copied
+  const auto half = static_cast<int64_t>(bytes / 2);      // a copy of N bytes moves 2N
+  OCTET_CHECK(half > 0 && static_cast<size_t>(half) <= kCopyBytes,
+              "copy_bandwidth_at: expected 2 to ", 2 * kCopyBytes, " bytes, got ", bytes);
+  auto [it, fresh] = measured->try_emplace(half, 0.0);
+  if (fresh) {
+    DeviceGuard guard(device());
+    Tensor src = random_tensor({half}, DType::e4m3, kCopySlot);
+    Tensor dst = Tensor::empty({half}, DType::u8, device());
+    const double seconds = median_seconds_per_call([&] {
+      OCTET_CHECK_CUDA(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), static_cast<size_t>(half),
+                                       cudaMemcpyDeviceToDevice, stream()));
+    });
+    it->second = 2.0 * static_cast<double>(half) / seconds;
+  }
+  return it->second;
+}
+
 Tensor random_tensor(const Shape& shape, DType dtype, int slot) {
   OCTET_CHECK(dtype == DType::f32 || dtype == DType::bf16 || is_fp8(dtype),
               "random_tensor: expected f32, bf16, e4m3 or e5m2, got ", dtype_name(dtype));
@@ -209,6 +228,7 @@ void report_memory(benchmark::State& state, double seconds, double bytes, double
   state.counters["GBps_actual"] = actual_bytes / seconds / kGiga;
   state.counters["ceiling_GBps"] = ceiling / kGiga;
   state.counters["ratio"] = bytes / seconds / ceiling;
+  state.counters["ratio_same_size"] = bytes / seconds / copy_bandwidth_at(bytes);
   state.counters["floor_ms"] = bytes / ceiling * 1e3;
   state.counters["ms"] = seconds * 1e3;
   state.counters["bytes"] = bytes;

@@ -64,6 +64,10 @@ double median_seconds_per_call(const Work& work);
 /// Device-to-device copy bandwidth of this GPU in bytes/s, counting bytes read plus bytes
 /// written: cudaMemcpyAsync of a kCopyBytes buffer, measured once per process.
 double copy_bandwidth();
+/// The same for a copy that moves `bytes` (read plus written) in one call, measured once per size:
+/// at tens of megabytes a launch's ramp and tail are a visible part of any kernel's time, the
+/// copy's included, so this is the ceiling an op of that size can reach.
+double copy_bandwidth_at(double bytes);
 /// Bytes of each buffer of the copy ceiling.
 inline constexpr size_t kCopyBytes = size_t{2} << 30;  // 2 GiB: ~40x the H200's 50 MB L2
 /// random_tensor slot of the copy's source (random bytes, like every other input).
@@ -81,7 +85,8 @@ Tensor filled_f32(const Shape& shape, float value);
 
 /// Counters of a memory-bound benchmark: GB/s for `bytes` (the convention), GB/s for
 /// `actual_bytes` (everything the op touches, scales included), the copy ceiling, the ratio of
-/// GB/s to it, the floor time at the ceiling and the measured time.
+/// GB/s to it, the floor time at the ceiling and the measured time; and the ratio to a copy that
+/// moves the op's `bytes` (ratio_same_size), for ops far smaller than the 2 GiB copy.
 void report_memory(benchmark::State& state, double seconds, double bytes, double actual_bytes);
 /// Counters of a GEMM benchmark: TFLOP/s, the ceiling's TFLOP/s and the ratio (0 when there is
 /// no ceiling: ceiling_seconds <= 0), and the measured time.

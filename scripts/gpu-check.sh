@@ -588,8 +588,10 @@ if "bench" in stages:
             continue  # the raw call is the octet row's ceiling; its ratio is only a noise check
         ms = b.get("ms", 0.0)
         if "GBps" in b:
+            same = b.get("ratio_same_size")
             lines.append(f"  {name:<52} {ms:8.3f} ms {b['GBps']:8.0f} GB/s  "
-                         f"ceiling {b['ceiling_GBps']:6.0f} GB/s  ratio {b['ratio']:.3f}")
+                         f"ceiling {b['ceiling_GBps']:6.0f} GB/s  ratio {b['ratio']:.3f}" +
+                         (f"  (same-size copy: {same:.3f})" if same else ""))
         elif "TFLOPS" in b:
             lines.append(f"  {name:<52} {ms:8.3f} ms {b['TFLOPS']:8.1f} TFLOP/s  "
                          f"ceiling {b['ceiling_TFLOPS']:6.1f} TFLOP/s  ratio {b['ratio']:.3f}")
