@@ -1,13 +1,16 @@
 // GEMM benchmarks: octet's ops::gemm against the raw cuBLASLt call for the same shape, dtypes,
 // TN layout, scale modes and accumulation, both timed in the same process. Each shape registers
 // the raw call ("cublaslt") and octet's ("octet"); both report the raw call's median as ceiling.
+// gemm/host_cost/* times the host side of one call instead: what an MoE layer pays per expert.
 #include "bench_util.h"
 #include "cublaslt_gemm.h"
 
 #if OCTET_WITH_CUDA
 
+#include <chrono>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "octet/ops/gemm.h"
@@ -123,32 +126,40 @@ void bm_cublaslt(benchmark::State& state, const GemmCase& c, const GemmShape& s)
   });
 }
 
+/// octet's operands over the inputs: A, and B used transposed.
+std::pair<ops::GemmOperand, ops::GemmOperand> octet_operands(const GemmCase& c,
+                                                             const GemmShape& s,
+                                                             const GemmInputs& in) {
+  ops::GemmOperand a;
+  ops::GemmOperand b;
+  if (is_fp8(c.dtype)) {
+    fp8::QuantizedTensor qa;
+    qa.mode = c.a_mode;
+    qa.dtype = c.dtype;
+    qa.rows = s.m;
+    qa.cols = s.k;
+    qa.data = in.a;
+    qa.scale_inv = in.a_scale;
+    fp8::QuantizedTensor qb = qa;
+    qb.mode = c.b_mode;
+    qb.rows = s.n;
+    qb.data = in.b;
+    qb.scale_inv = in.b_scale;
+    a = ops::GemmOperand::fp8(qa, /*use_transposed_copy=*/false);
+    b = ops::GemmOperand::fp8(qb, /*use_transposed_copy=*/false, /*transpose=*/true);
+  } else {
+    a = ops::GemmOperand::dense(in.a);
+    b = ops::GemmOperand::dense(in.b, /*transpose=*/true);
+  }
+  return {a, b};
+}
+
 void bm_octet(benchmark::State& state, const GemmCase& c, const GemmShape& s) {
   guarded(state, [&] {
     const GemmInputs in = make_inputs(c, s);
     const Ceiling& reference = ceiling(c, s, in);
     if (!reference.unsupported.empty()) throw Unsupported(reference.unsupported);
-    ops::GemmOperand a;
-    ops::GemmOperand b;
-    if (is_fp8(c.dtype)) {
-      fp8::QuantizedTensor qa;
-      qa.mode = c.a_mode;
-      qa.dtype = c.dtype;
-      qa.rows = s.m;
-      qa.cols = s.k;
-      qa.data = in.a;
-      qa.scale_inv = in.a_scale;
-      fp8::QuantizedTensor qb = qa;
-      qb.mode = c.b_mode;
-      qb.rows = s.n;
-      qb.data = in.b;
-      qb.scale_inv = in.b_scale;
-      a = ops::GemmOperand::fp8(qa, /*use_transposed_copy=*/false);
-      b = ops::GemmOperand::fp8(qb, /*use_transposed_copy=*/false, /*transpose=*/true);
-    } else {
-      a = ops::GemmOperand::dense(in.a);
-      b = ops::GemmOperand::dense(in.b, /*transpose=*/true);
-    }
+    const auto [a, b] = octet_operands(c, s, in);
     ops::GemmArgs args;
     args.accumulation = c.accumulation;
     const double seconds = time_loop(state, [&] { ops::gemm(a, b, in.d, args); });
@@ -160,6 +171,47 @@ void bm_octet(benchmark::State& state, const GemmCase& c, const GemmShape& s) {
     report_gemm(state, seconds, flops(s), raw_adjacent);
     state.counters["ceiling_first_ms"] = reference.seconds * 1e3;
     state.SetLabel("octet ops::gemm vs raw cuBLASLt timed right after it");
+  });
+}
+
+/// Host seconds per enqueue of `work`, the median of kHostBatches batches of kHostCalls calls timed
+/// on the host clock before the stream is synchronized. At kHostShape a GEMM's device time is a
+/// few microseconds, so the launch queue stays short and the loop times the host side alone.
+constexpr GemmShape kHostShape{256, 256, 256};
+constexpr int kHostCalls = 200;
+constexpr int kHostBatches = 7;
+double host_seconds_per_call(const Work& work) {
+  work();  // the first call plans
+  OCTET_CHECK_CUDA(cudaStreamSynchronize(stream()));
+  std::vector<double> per_call;
+  for (int batch = 0; batch < kHostBatches; ++batch) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < kHostCalls; ++i) work();
+    const std::chrono::duration<double> host = std::chrono::steady_clock::now() - start;
+    OCTET_CHECK_CUDA(cudaStreamSynchronize(stream()));
+    per_call.push_back(host.count() / kHostCalls);
+  }
+  std::nth_element(per_call.begin(), per_call.begin() + kHostBatches / 2, per_call.end());
+  return per_call[kHostBatches / 2];
+}
+
+/// The host side of one ops::gemm call against the raw cuBLASLt call with prebuilt descriptors.
+void bm_host_cost(benchmark::State& state, const GemmCase& c) {
+  guarded(state, [&] {
+    const GemmInputs in = make_inputs(c, kHostShape);
+    LtGemm lt(lt_config(c, kHostShape), data_or_null(in.lt_a_scale), data_or_null(in.lt_b_scale));
+    const auto [a, b] = octet_operands(c, kHostShape, in);
+    ops::GemmArgs args;
+    args.accumulation = c.accumulation;
+    for (auto _ : state) {
+      const double octet = host_seconds_per_call([&] { ops::gemm(a, b, in.d, args); });
+      const double raw = host_seconds_per_call(
+          [&] { lt.run(in.a.raw_data(), in.b.raw_data(), in.d.raw_data(), stream()); });
+      state.SetIterationTime(octet);
+      state.counters["host_us_octet"] = octet * 1e6;
+      state.counters["host_us_cublaslt"] = raw * 1e6;
+    }
+    state.SetLabel("host time per enqueue: octet ops::gemm vs the raw cuBLASLt call");
   });
 }
 
@@ -182,6 +234,11 @@ void register_gemm_benchmarks() {
   }
   register_case(kBf16, kCube);
   register_case(kFp8Block, kCube);
+  for (const GemmCase* c : {&kFp8Tensor, &kBf16}) {
+    configure(benchmark::RegisterBenchmark(
+        (std::string("gemm/host_cost/") + c->family + "/" + shape_name(kHostShape)).c_str(),
+        [c](benchmark::State& state) { bm_host_cost(state, *c); }));
+  }
 }
 
 }  // namespace octet::bench

@@ -595,6 +595,9 @@ if "bench" in stages:
         elif "TFLOPS" in b:
             lines.append(f"  {name:<52} {ms:8.3f} ms {b['TFLOPS']:8.1f} TFLOP/s  "
                          f"ceiling {b['ceiling_TFLOPS']:6.1f} TFLOP/s  ratio {b['ratio']:.3f}")
+        elif "host_us_octet" in b:
+            lines.append(f"  {name:<52} host {b['host_us_octet']:6.1f} us a call "
+                         f"(raw cuBLASLt {b['host_us_cublaslt']:.1f} us)")
         else:
             lines.append(f"  {name:<52} {ms:8.3f} ms")
     if unsupported:
