@@ -1,6 +1,7 @@
 // Compiled only when OCTET_WITH_CUDA.
 #include "octet/core/cuda_context.h"
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -13,8 +14,31 @@ struct PerDevice {
   cudaDeviceProp props{};
 };
 
-// Created lazily per device; never destroyed (streams outlive static tensors at exit).
+/// Slots for device indices below this are read without a lock once made; a larger index takes
+/// the locked path every time (no machine has that many GPUs).
+constexpr int kFastDevices = 64;
+
+PerDevice* make_per_device(const Device& device) {
+  DeviceGuard guard(device);
+  auto* state = new PerDevice;
+  OCTET_CHECK_CUDA(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
+  OCTET_CHECK_CUDA(cudaGetDeviceProperties(&state->props, device.index));
+  // Keep freed blocks in the pool instead of returning them to the driver at every sync.
+  cudaMemPool_t pool;
+  OCTET_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));
+  uint64_t threshold = UINT64_MAX;
+  OCTET_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  return state;
+}
+
+// Created lazily per device; never destroyed (streams outlive static tensors at exit). Every op
+// looks its device up here, so a made slot is read with one atomic load: no lock, no device query
+// (the device was checked when its slot was made).
 PerDevice& per_device(const Device& device) {
+  static std::atomic<PerDevice*> fast[kFastDevices];
+  if (device.is_cuda() && device.index >= 0 && device.index < kFastDevices) {
+    if (PerDevice* made = fast[device.index].load(std::memory_order_acquire)) return *made;
+  }
   static std::mutex mutex;
   static std::vector<PerDevice*> devices;
   OCTET_CHECK(device.is_cuda(), "expected a CUDA device, got ", device);
@@ -23,16 +47,8 @@ PerDevice& per_device(const Device& device) {
   check_device_available(device);
   PerDevice*& slot = devices[device.index];
   if (slot == nullptr) {
-    DeviceGuard guard(device);
-    auto* state = new PerDevice;
-    OCTET_CHECK_CUDA(cudaStreamCreateWithFlags(&state->stream, cudaStreamNonBlocking));
-    OCTET_CHECK_CUDA(cudaGetDeviceProperties(&state->props, device.index));
-    // Keep freed blocks in the pool instead of returning them to the driver at every sync.
-    cudaMemPool_t pool;
-    OCTET_CHECK_CUDA(cudaDeviceGetDefaultMemPool(&pool, device.index));
-    uint64_t threshold = UINT64_MAX;
-    OCTET_CHECK_CUDA(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-    slot = state;
+    slot = make_per_device(device);
+    if (device.index < kFastDevices) fast[device.index].store(slot, std::memory_order_release);
   }
   return *slot;
 }

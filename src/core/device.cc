@@ -30,11 +30,16 @@ bool built_with_cuda() { return OCTET_WITH_CUDA != 0; }
 
 int cuda_device_count() {
 #if OCTET_WITH_CUDA
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // no driver or no GPU: clear the sticky-free error and report none
-    return 0;
-  }
+  // Read once: the visible GPUs are fixed when the CUDA runtime starts, and every op's stream
+  // lookup and allocation checks its device against this count.
+  static const int count = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();  // no driver or no GPU: clear the sticky-free error and report none
+      return 0;
+    }
+    return n;
+  }();
   return count;
 #else
   return 0;
@@ -54,7 +59,8 @@ DeviceGuard::DeviceGuard(const Device& device) {
   if (!device.is_cuda()) return;
   int current = 0;
   OCTET_CHECK_CUDA(cudaGetDevice(&current));
-  if (current != device.index) OCTET_CHECK_CUDA(cudaSetDevice(device.index));
+  if (current == device.index) return;  // nothing to switch, nothing to restore
+  OCTET_CHECK_CUDA(cudaSetDevice(device.index));
   previous_ = current;
 #else
   OCTET_CHECK(device.is_cpu(), "device ", device, " requested, but octet was built without CUDA");
