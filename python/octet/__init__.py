@@ -65,13 +65,14 @@ def _stream_of(tensor, stream):
 
 
 class _Borrowed:
-    """A DLPack tensor borrowed for one call: its capsule stays alive (and owns it) until then."""
+    """A DLPack tensor borrowed for one call: its capsule stays alive (and owns it) until then;
+    ptr is its DLTensor's address."""
 
     __slots__ = ("capsule", "ptr")
 
     def __init__(self, obj, stream=None):
         self.capsule = _lib.capsule_of(obj, stream)
-        self.ptr = ctypes.pointer(_lib.managed_pointer(self.capsule).contents.dl_tensor)
+        self.ptr = _lib.managed_pointer(self.capsule)
 
 
 def _borrow(obj, stream=None):
@@ -84,10 +85,10 @@ def _ptr(b):
 
 def _to_array(exported: _lib.Exported):
     """An exported tensor as NumPy (CPU) or PyTorch (CUDA) array, without a copy."""
-    if exported.__dlpack_device__()[0] == _lib.KDLCPU:
+    if exported._fields[1] == _lib.KDLCPU:
         return exported.to_numpy()
     import torch
-    return torch.from_dlpack(exported)
+    return torch.from_dlpack(exported.__dlpack__())  # already ordered on the call's stream
 
 
 def _empty_like_device(shape, dtype_name, reference):
@@ -180,7 +181,9 @@ class Registry:
         _lib.call("octet_registry_create", ctypes.byref(self._handle))
 
     def finalize_backward(self):
-        _lib.call("octet_registry_finalize_backward", self._handle)
+        status = _lib.registry_finalize_backward(self._handle)
+        if status:
+            _lib.fail(status)
 
     @property
     def update_counts(self):
@@ -194,12 +197,18 @@ class Registry:
             self._handle = None
 
 
-_local = threading.local()
+class _Local(threading.local):
+    def __init__(self):
+        self.registry = None
+        self.scopes = []  # the open fp8_autocast scopes, innermost last
+
+
+_local = _Local()
 
 
 def default_registry() -> Registry:
     """This thread's registry, used by fp8_autocast when none is given."""
-    if not hasattr(_local, "registry"):
+    if _local.registry is None:
         _local.registry = Registry()
     return _local.registry
 
@@ -207,33 +216,47 @@ def default_registry() -> Registry:
 class _Scope:
     """What an open fp8_autocast holds (octet.torch reads it)."""
 
+    __slots__ = ("recipe", "registry", "first_module")
+
     def __init__(self, recipe, registry):
         self.recipe, self.registry = recipe, registry
         self.first_module = None  # the first module forward in the scope ends the backward pass
 
 
 def active_scope():
-    stack = getattr(_local, "scopes", [])
+    stack = _local.scopes
     return stack[-1] if stack else None
 
 
-@contextlib.contextmanager
-def fp8_autocast(recipe: Recipe | None = None, enabled: bool = True, registry: Registry | None = None):
+class fp8_autocast(contextlib.ContextDecorator):
     """Modules run their GEMMs in FP8 under `recipe` (default: Recipe.delayed()) in this block;
-    its end finalizes the forward pass (amax history and scales), once."""
-    if not enabled:
-        yield
-        return
-    recipe = recipe if recipe is not None else Recipe.delayed()
-    registry = registry if registry is not None else default_registry()
-    _lib.call("octet_autocast_enter", recipe._handle, registry._handle)
-    stack = _local.__dict__.setdefault("scopes", [])
-    stack.append(_Scope(recipe, registry))
-    try:
-        yield
-    finally:
-        stack.pop()
-        _lib.call("octet_autocast_exit")
+    its end finalizes the forward pass (amax history and scales), once. Reusable and reentrant:
+    what a scope holds lives on this thread's stack of scopes, not in the object."""
+
+    __slots__ = ("_recipe", "_enabled", "_registry")
+
+    def __init__(self, recipe: Recipe | None = None, enabled: bool = True,
+                 registry: Registry | None = None):
+        self._recipe, self._enabled, self._registry = recipe, enabled, registry
+
+    def __enter__(self):
+        if not self._enabled:
+            return None
+        recipe = self._recipe if self._recipe is not None else Recipe.delayed()
+        registry = self._registry if self._registry is not None else default_registry()
+        status = _lib.autocast_enter(recipe._handle, registry._handle)
+        if status:
+            _lib.fail(status)
+        _local.scopes.append(_Scope(recipe, registry))
+        return None
+
+    def __exit__(self, *exc):
+        if self._enabled:
+            _local.scopes.pop()
+            status = _lib.autocast_exit()
+            if status:
+                _lib.fail(status)
+        return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -254,9 +277,9 @@ class QuantizedTensor:
         self.has_rowwise, self.has_columnwise = bool(rw.value), bool(cw.value)
 
     def _view(self, fn, transposed, stream):
-        out = _lib.out_managed()
+        out = ctypes.c_void_p()
         _lib.call(fn, self._handle, int(transposed), stream or 0, ctypes.byref(out))
-        return _to_array(_lib.Exported(out))
+        return _to_array(_lib.Exported(out.value))
 
     def data(self, transposed=False, stream=None):
         """The FP8 codes as uint8, [rows, cols] (or [cols, rows] transposed); no copy."""
@@ -373,32 +396,40 @@ class Linear:
     def forward(self, x, mode="training", original: Record | None = None, stream=None,
                 convert=_to_array):
         """y [..., out] = x [..., in] W^T + b. x is used in place and kept (no copy) until the
-        returned record is freed."""
-        m = _enum(_FORWARD_MODES, mode, "mode")
+        returned record is freed. x may also be a "dltensor" capsule (which this consumes)."""
+        m = _FORWARD_MODES.get(mode)
+        if m is None:
+            _enum(_FORWARD_MODES, mode, "mode")  # raises
+        stream = _stream_of(x, stream)  # before the capsule is consumed: nothing raises after
         capsule = _lib.capsule_of(x)
-        y, saved = _lib.out_managed(), ctypes.c_void_p()
-        _lib.call("octet_linear_forward", self._handle, _lib.consume(capsule), m,
-                  original.handle if original is not None else None, _stream_of(x, stream),
-                  ctypes.byref(y), ctypes.byref(saved))
-        return convert(_lib.Exported(y)), Record(saved, self)
+        y, saved = ctypes.c_void_p(), ctypes.c_void_p()
+        status = _lib.linear_forward(self._handle, _lib.consume(capsule), m,
+                                     original.handle if original is not None else None, stream,
+                                     ctypes.byref(y), ctypes.byref(saved))
+        if status:
+            _lib.fail(status)
+        return convert(_lib.Exported(y.value)), Record(saved, self)
 
     def backward(self, dy, record: Record, stream=None, convert=_to_array):
         """dx from dy; adds to the weight and bias gradients."""
-        dyb = _Borrowed(dy)
-        dx = _lib.out_managed()
-        _lib.call("octet_linear_backward", self._handle, dyb.ptr,
-                  record.handle if record is not None else None, _stream_of(dy, stream),
-                  ctypes.byref(dx))
+        stream = _stream_of(dy, stream)
+        capsule = _lib.capsule_of(dy)  # kept (owning dy's export) until the call returns
+        dx = ctypes.c_void_p()
+        status = _lib.linear_backward(self._handle, _lib.managed_pointer(capsule),
+                                      record.handle if record is not None else None, stream,
+                                      ctypes.byref(dx))
+        if status:
+            _lib.fail(status)
         if record is not None:
             record.done = True
-        return convert(_lib.Exported(dx))
+        return convert(_lib.Exported(dx.value))
 
     def view(self, which, stream=None, convert=_to_array):
         """A view (no copy) of 'weight', 'bias', 'grad_weight' or 'grad_bias' (float32)."""
-        out = _lib.out_managed()
+        out = ctypes.c_void_p()
         _lib.call("octet_linear_tensor_view", self._handle, _enum(_LINEAR_TENSORS, which, "which"),
                   stream or 0, ctypes.byref(out))
-        return convert(_lib.Exported(out))
+        return convert(_lib.Exported(out.value))
 
     weight = property(lambda self: self.view("weight"))
     bias = property(lambda self: self.view("bias") if self.has_bias else None)
@@ -416,10 +447,10 @@ class Linear:
         """{name: copy} of the FP8 state for `recipe` (created when absent), for checkpoints."""
         state = {}
         for i, name in enumerate(self._state_names(recipe)):
-            out = _lib.out_managed()
+            out = ctypes.c_void_p()
             _lib.call("octet_linear_fp8_state_get", self._handle, recipe._handle, i, stream or 0,
                       ctypes.byref(out))
-            state[name] = convert(_lib.Exported(out))
+            state[name] = convert(_lib.Exported(out.value))
         return state
 
     def load_fp8_state(self, recipe: Recipe, state, stream=None):

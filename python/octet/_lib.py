@@ -4,41 +4,15 @@ from __future__ import annotations
 import ctypes
 import os
 import pathlib
+import struct
 
 # ------------------------------------------------------------------------------------------------
-# DLPack structs (dlpack.h 0.6; a DLManagedTensorVersioned embeds the same DLTensor)
+# DLPack (dlpack.h 0.6): tensors themselves are read from memory below (_MANAGED)
 
 
 class DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int), ("device_id", ctypes.c_int)]
 
-
-class DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
-DLManagedTensor._fields_ = [
-    ("dl_tensor", DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", _Deleter),
-]
 
 KDLCPU, KDLCUDA = 1, 2
 
@@ -50,8 +24,8 @@ class QuantizeOptions(ctypes.Structure):
         ("rowwise", ctypes.c_int),
         ("columnwise", ctypes.c_int),
         ("power_of_2_scales", ctypes.c_int),
-        ("scale", ctypes.POINTER(DLTensor)),
-        ("amax", ctypes.POINTER(DLTensor)),
+        ("scale", ctypes.c_void_p),  # const DLTensor*
+        ("amax", ctypes.c_void_p),
     ]
 
 
@@ -94,11 +68,8 @@ def _library_path() -> str:
 lib = ctypes.CDLL(_library_path())
 
 _c = ctypes
-_p = ctypes.c_void_p
+_p = ctypes.c_void_p  # handles, streams, and tensors passed by address (a DLTensor is at offset 0)
 _pp = ctypes.POINTER(ctypes.c_void_p)
-_dlp = ctypes.POINTER(DLTensor)
-_mtp = ctypes.POINTER(DLManagedTensor)
-_mtpp = ctypes.POINTER(_mtp)
 _i64p = ctypes.POINTER(ctypes.c_int64)
 _intp = ctypes.POINTER(ctypes.c_int)
 _strp = ctypes.POINTER(ctypes.c_char_p)
@@ -118,26 +89,25 @@ _SIGNATURES = {
     "octet_registry_update_counts": [_p, _i64p, _i64p],
     "octet_autocast_enter": [_p, _p],
     "octet_autocast_exit": [],
-    "octet_quantize": [_dlp, ctypes.POINTER(QuantizeOptions), _p, _pp],
-    "octet_dequantize": [_p, _c.c_int, _dlp, _p],
+    "octet_quantize": [_p, ctypes.POINTER(QuantizeOptions), _p, _pp],
+    "octet_dequantize": [_p, _c.c_int, _p, _p],
     "octet_qtensor_info": [_p, _intp, _intp, _i64p, _i64p, _intp, _intp],
-    "octet_qtensor_data": [_p, _c.c_int, _p, _mtpp],
-    "octet_qtensor_scale_inv": [_p, _c.c_int, _p, _mtpp],
-    "octet_gemm_fp8": [_p, _c.c_int, _p, _c.c_int, _dlp, _dlp, _c.c_float, _c.c_float, _c.c_int,
-                       _p],
+    "octet_qtensor_data": [_p, _c.c_int, _p, _pp],
+    "octet_qtensor_scale_inv": [_p, _c.c_int, _p, _pp],
+    "octet_gemm_fp8": [_p, _c.c_int, _p, _c.c_int, _p, _p, _c.c_float, _c.c_float, _c.c_int, _p],
     "octet_linear_create": [_c.c_int64, _c.c_int64, _c.c_int, DLDevice, _c.c_uint64, _c.c_int,
                             _pp],
     "octet_linear_info": [_p, _i64p, _i64p, _intp, ctypes.POINTER(DLDevice)],
-    "octet_linear_forward": [_p, _mtp, _c.c_int, _p, _p, _mtpp, _pp],
-    "octet_linear_backward": [_p, _dlp, _p, _p, _mtpp],
+    "octet_linear_forward": [_p, _p, _c.c_int, _p, _p, _pp, _pp],
+    "octet_linear_backward": [_p, _p, _p, _p, _pp],
     "octet_saved_release_activations": [_p],
     "octet_linear_zero_grad": [_p, _c.c_int, _p],
     "octet_linear_weights_updated": [_p],
-    "octet_linear_tensor_view": [_p, _c.c_int, _p, _mtpp],
+    "octet_linear_tensor_view": [_p, _c.c_int, _p, _pp],
     "octet_linear_fp8_state_count": [_p, _p, _intp],
     "octet_linear_fp8_state_name": [_c.c_int, _strp],
-    "octet_linear_fp8_state_get": [_p, _p, _c.c_int, _p, _mtpp],
-    "octet_linear_fp8_state_set": [_p, _p, _c.c_int, _dlp, _p],
+    "octet_linear_fp8_state_get": [_p, _p, _c.c_int, _p, _pp],
+    "octet_linear_fp8_state_set": [_p, _p, _c.c_int, _p, _p],
     "octet_linear_fp8_update_counts": [_p, _i64p, _i64p],
 }
 for _name, _args in _SIGNATURES.items():
@@ -162,127 +132,177 @@ lib.octet_version.restype = None
 _FUNCTIONS = {name: getattr(lib, name) for name in _SIGNATURES}
 
 
+def fail(status: int):
+    """Raises the OctetError of a failed status, with octet's message."""
+    message = lib.octet_last_error().decode("utf-8", "replace")
+    raise _ERRORS.get(status, OctetError)(message)
+
+
 def call(name: str, *args) -> None:
     """Calls lib.<name>; a failed status raises the matching OctetError with octet's message."""
     status = _FUNCTIONS[name](*args)
-    if status != 0:
-        message = lib.octet_last_error().decode("utf-8", "replace")
-        raise _ERRORS.get(status, OctetError)(message)
+    if status:
+        fail(status)
 
+
+# The calls of a training step, bound once (`if status: fail(status)` after each): no lookup by
+# name, no argument tuple.
+linear_forward = lib.octet_linear_forward
+linear_backward = lib.octet_linear_backward
+autocast_enter = lib.octet_autocast_enter
+autocast_exit = lib.octet_autocast_exit
+registry_finalize_backward = lib.octet_registry_finalize_backward
 
 # ------------------------------------------------------------------------------------------------
-# DLPack capsules (Python's C API through ctypes.pythonapi)
-
-_api = ctypes.pythonapi
-_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_api.PyCapsule_SetName.restype = ctypes.c_int
-_api.PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
-_api.PyCapsule_IsValid.restype = ctypes.c_int
-_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, _CapsuleDestructor]
-_api.PyCapsule_New.restype = ctypes.py_object
+# DLPack capsules (Python's C API through ctypes.pythonapi). Tensors travel as addresses (ints):
+# a capsule's DLManagedTensor, whose dl_tensor is at offset 0, is read with one struct unpack.
 
 _DLTENSOR = b"dltensor"
 _USED = b"used_dltensor"
-_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi))
+_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_api = ctypes.pythonapi
+_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api))
+_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_SetName", _api))
+_new_capsule = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                                 _CapsuleDestructor)(("PyCapsule_New", _api))
+# The destructor sees the capsule as a raw PyObject*, hence these take addresses.
+_is_valid_raw = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", _api))
+_get_pointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", _api))
+
+# DLManagedTensor: data, device type and id, ndim, dtype code, bits and lanes, shape, strides,
+# byte_offset, manager_ctx, deleter.
+_MANAGED = struct.Struct("=QiiiBBHQQQQQ")
+_MAX_NDIM = 8
+_SHAPES = [struct.Struct(f"={n}q") for n in range(_MAX_NDIM + 1)]
+_Memory = ctypes.c_char * max(_MANAGED.size, _SHAPES[-1].size)  # a window that unpack_from reads
+_Release = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_releases = {}  # deleter address -> callable
+
+
+def _fields(addr: int):
+    return _MANAGED.unpack_from(_Memory.from_address(addr))
+
+
+def _shape(addr: int, ndim: int):
+    if ndim > _MAX_NDIM:
+        return struct.unpack(f"={ndim}q", ctypes.string_at(addr, 8 * ndim))
+    return _SHAPES[ndim].unpack_from(_Memory.from_address(addr)) if ndim else ()
+
+
+def _run_deleter(addr: int, deleter: int):
+    if deleter:
+        fn = _releases.get(deleter) or _releases.setdefault(deleter, _Release(deleter))
+        fn(addr)
+
+
+def release(addr: int):
+    """Runs the deleter of the DLManagedTensor at `addr` (if it has one)."""
+    _run_deleter(addr, _fields(addr)[11])
 
 
 @_CapsuleDestructor
 def _capsule_destructor(capsule):
     # A capsule nobody consumed still owns its tensor (DLPack's rule).
-    if _api.PyCapsule_IsValid(capsule, _DLTENSOR):
-        ptr = _get_pointer(capsule, _DLTENSOR)
-        managed = ctypes.cast(ptr, _mtp)
-        if managed.contents.deleter:
-            managed.contents.deleter(managed)
+    if _is_valid_raw(capsule, _DLTENSOR):
+        release(_get_pointer_raw(capsule, _DLTENSOR))
 
 
 def capsule_of(obj, stream=None):
     """A "dltensor" capsule for any DLPack producer (or a capsule itself)."""
     if type(obj).__name__ == "PyCapsule":
         return obj
-    if not hasattr(obj, "__dlpack__"):
-        raise TypeError(f"octet: expected a DLPack tensor (NumPy, PyTorch, CuPy, ...), got {type(obj).__name__}")
-    if stream is not None:
-        return obj.__dlpack__(stream=stream)
-    return obj.__dlpack__()
+    try:
+        export = obj.__dlpack__
+    except AttributeError:
+        raise TypeError(f"octet: expected a DLPack tensor (NumPy, PyTorch, CuPy, ...), got "
+                        f"{type(obj).__name__}") from None
+    return export() if stream is None else export(stream=stream)
 
 
-def managed_pointer(capsule) -> "ctypes._Pointer":
-    return ctypes.cast(_api.PyCapsule_GetPointer(capsule, _DLTENSOR), _mtp)
+def managed_pointer(capsule) -> int:
+    """The address of the capsule's DLManagedTensor (also that of its DLTensor)."""
+    return _get_pointer(capsule, _DLTENSOR)
 
 
-def consume(capsule) -> "ctypes._Pointer":
+def consume(capsule) -> int:
     """The capsule's tensor, now owned by the callee (the capsule is marked used)."""
-    ptr = managed_pointer(capsule)
-    _api.PyCapsule_SetName(capsule, _USED)
-    return ptr
+    addr = _get_pointer(capsule, _DLTENSOR)
+    _set_name(capsule, _USED)
+    return addr
 
 
-class Exported:
+class _Owned:
+    """Owns the DLManagedTensor at _addr (None once handed on): its deleter runs at the end."""
+
+    __slots__ = ("_addr", "_fields")
+
+    def __init__(self, addr: int, fields=None):
+        self._addr = addr
+        self._fields = _fields(addr) if fields is None else fields
+
+    def __del__(self):
+        addr, self._addr = self._addr, None
+        if addr is not None:
+            _run_deleter(addr, self._fields[11])
+
+
+class Exported(_Owned):
     """A tensor octet handed out: give it to numpy.from_dlpack / torch.from_dlpack (no copy)."""
 
-    __slots__ = ("_managed", "_device")
-
-    def __init__(self, managed):
-        self._managed = managed
-        d = managed.contents.dl_tensor.device
-        self._device = (d.device_type, d.device_id)
+    __slots__ = ()
 
     def __dlpack_device__(self):
-        return self._device
+        return self._fields[1], self._fields[2]
+
+    def _take(self) -> int:
+        addr, self._addr = self._addr, None
+        if addr is None:
+            raise BufferError("octet: this tensor was already exported once")
+        return addr
 
     def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
-        if self._managed is None:
-            raise BufferError("octet: this tensor was already exported once")
-        managed, self._managed = self._managed, None
-        return _api.PyCapsule_New(ctypes.cast(managed, ctypes.c_void_p), _DLTENSOR,
-                                  _capsule_destructor)
+        # The stream is not needed: octet's call already ordered the tensor on the one it was given.
+        return _new_capsule(self._take(), _DLTENSOR, _capsule_destructor)
 
     def to_numpy(self):
         """A writable NumPy array over a CPU tensor, owning it (numpy.from_dlpack marks arrays
         from a DLPack 0.6 capsule read-only, and octet's weight views are meant to be written)."""
+        return _numpy().asarray(_HostArray(self._take(), self._fields))
+
+
+def _numpy():
+    global _numpy_module
+    if _numpy_module is None:
         import numpy
+        _numpy_module = numpy
+    return _numpy_module
 
-        holder = _HostArray(self._managed)
-        self._managed = None
-        return numpy.asarray(holder)
 
-    def __del__(self):
-        if self._managed is not None and self._managed.contents.deleter:
-            self._managed.contents.deleter(self._managed)
-            self._managed = None
-
+_numpy_module = None
 
 # NumPy type strings by (DLPack code, bits); bfloat16 has none in NumPy: its bits come as uint16.
 _TYPESTR = {(2, 32): "<f4", (2, 16): "<f2", (4, 16): "<u2", (1, 8): "|u1", (1, 16): "<u2",
             (0, 32): "<i4", (0, 64): "<i8"}
 
 
-class _HostArray:
+class _HostArray(_Owned):
     """Owns an exported CPU tensor and shows it to NumPy through __array_interface__."""
 
-    def __init__(self, managed):
-        self._managed = managed
-        t = managed.contents.dl_tensor
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, addr, fields):
+        super().__init__(addr, fields)
+        data, _, _, ndim, code, bits, _, shape = fields[:8]
         self.__array_interface__ = {
-            "shape": tuple(t.shape[i] for i in range(t.ndim)),
-            "typestr": _TYPESTR[(t.dtype.code, t.dtype.bits)],
-            "data": (t.data or 0, False),
+            "shape": _shape(shape, ndim),
+            "typestr": _TYPESTR[(code, bits)],
+            "data": (data, False),
             "version": 3,
         }
-
-    def __del__(self):
-        if self._managed is not None and self._managed.contents.deleter:
-            self._managed.contents.deleter(self._managed)
-            self._managed = None
-
-
-def out_managed():
-    return _mtp()
 
 
 def version():

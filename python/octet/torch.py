@@ -26,13 +26,25 @@ __all__ = ["Linear"]
 
 _COMPUTE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
+try:  # the current stream's handle in one call, without building a torch.cuda.Stream
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+# Capsules both ways: octet orders every call on the stream it is given, so the stream
+# handshake of Tensor.__dlpack__ and of from_dlpack on a tensor object is not needed.
+_to_dlpack = torch.utils.dlpack.to_dlpack
+_from_dlpack = torch.utils.dlpack.from_dlpack
+
 
 def _stream(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    """PyTorch's current stream on `device` (not on the current device); 0 for the CPU."""
+    return _raw_stream(device.index) if device.type == "cuda" else 0
 
 
 def _to_torch(exported) -> torch.Tensor:
-    return torch.utils.dlpack.from_dlpack(exported)
+    return _from_dlpack(exported.__dlpack__())
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -56,7 +68,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             # Grad mode is off inside Function.forward: the module passes it in.
             mode = "training" if grad_enabled and any(ctx.needs_input_grad[:3]) else "inference"
-        y, record = module._core.forward(x.detach(), mode, original, _stream(device), _to_torch)
+        y, record = module._core.forward(_to_dlpack(x), mode, original, _stream(device), _to_torch)
         ctx.record, ctx.module, ctx.finalize = record, module, None
         if mode == "training":
             module._prune_records()  # else one dead weakref per forward piles up for good
@@ -73,7 +85,7 @@ class _LinearFunction(torch.autograd.Function):
         stream = _stream(device)
         grads = module._prepare_grads(stream)
         # autograd's gradient may be any layout; octet takes contiguous tensors only.
-        dx = module._core.backward(dy.contiguous(), record, stream, _to_torch)
+        dx = module._core.backward(_to_dlpack(dy.contiguous()), record, stream, _to_torch)
         module._finish_grads(grads)
         if ctx.finalize is not None:
             ctx.finalize.finalize_backward()
@@ -88,8 +100,10 @@ class Linear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            torch.cuda.init()  # before the first raw stream lookup
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda"):
             raise octet.OctetValueError(f"octet.torch.Linear: expected a cpu or cuda device, got {device}")
         self._device = device
@@ -102,9 +116,10 @@ class Linear(torch.nn.Module):
         self.weight = torch.nn.Parameter(self._view("weight"))
         self.bias = torch.nn.Parameter(self._view("bias")) if bias else None
         self._versions = self._param_versions()
-        self._ptrs = tuple(p.data_ptr() for p in (self.weight, self.bias) if p is not None)
+        self._ptrs = tuple(p.data_ptr() for p in self._params())
         # octet's gradient memory never moves: one view each, made once.
         self._grad_views = [self._view("grad_weight")] + ([self._view("grad_bias")] if bias else [])
+        self._grad_ptrs = tuple(v.data_ptr() for v in self._grad_views)
         self._records = []
         self._recipe = None  # the recipe of the FP8 state (set by the first FP8 forward or a load)
 
@@ -113,11 +128,17 @@ class Linear(torch.nn.Module):
     def _view(self, which):
         return self._core.view(which, _stream(self._device), _to_torch)
 
+    def _params(self):
+        """(weight,) or (weight, bias), read from _parameters (no Module.__getattr__)."""
+        params = self._parameters
+        bias = params.get("bias")
+        return (params["weight"],) if bias is None else (params["weight"], bias)
+
     def _param_versions(self):
-        return tuple(p._version for p in (self.weight, self.bias) if p is not None)
+        return tuple([p._version for p in self._params()])
 
     def _sync_weights(self):
-        if tuple(p.data_ptr() for p in (self.weight, self.bias) if p is not None) != self._ptrs:
+        if tuple([p.data_ptr() for p in self._params()]) != self._ptrs:
             raise octet.OctetError(
                 "octet.torch.Linear: a parameter was replaced (param.data = ... or .to()); "
                 "octet's parameters must keep their memory: copy into them instead")
@@ -139,17 +160,18 @@ class Linear(torch.nn.Module):
 
     def _prepare_grads(self, stream):
         """Makes the parameters' .grad octet's gradient memory, so octet adds into it."""
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        views = self._grad_views
-        if all(p.grad is None for p in params):
+        params = self._params()
+        grads = [p.grad for p in params]
+        if all(g is None for g in grads):
             self._core.zero_grad(True, stream)
-            for p, v in zip(params, views):
+            for p, v in zip(params, self._grad_views):
                 p.grad = v
             return None
-        if all(p.grad is not None and p.grad.data_ptr() == v.data_ptr() for p, v in zip(params, views)):
+        if all(g is not None for g in grads) and \
+                tuple([g.data_ptr() for g in grads]) == self._grad_ptrs:
             return None  # octet accumulates in place
         self._core.zero_grad(True, stream)
-        return list(zip(params, views))
+        return list(zip(params, self._grad_views))
 
     @staticmethod
     def _finish_grads(pending):

@@ -2,6 +2,9 @@
 reference, the FP8 GEMM on small integers, Linear against NumPy math, DLPack zero-copy, and bad
 input raising with octet's message."""
 import ctypes
+import gc
+import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -58,6 +61,26 @@ def test_autocast_scope_finalizes_the_forward_pass_once():
     with octet.fp8_autocast(octet.Recipe.current(), enabled=False, registry=reg):
         assert octet.active_scope() is None
     assert reg.update_counts[0] == before[0] + 1
+
+
+def test_an_autocast_object_is_reusable_reentrant_and_closes_on_error():
+    reg = octet.Registry()
+    scope = octet.fp8_autocast(octet.Recipe.delayed(), registry=reg)
+    with scope:
+        with scope:
+            assert octet._lib.lib.octet_autocast_depth() == 2
+        assert octet.active_scope().registry is reg
+    with pytest.raises(KeyError):
+        with scope:
+            raise KeyError("the body's error propagates")
+    assert octet.active_scope() is None and octet._lib.lib.octet_autocast_depth() == 0
+
+    @octet.fp8_autocast(octet.Recipe.current(), registry=reg)
+    def body():
+        return octet.active_scope().recipe.name
+
+    assert body() == body() == "fp8-current"
+    assert reg.update_counts[0] == 5  # every scope closed finalizes once
 
 
 # ------------------------------------------------------------------------------------------------
@@ -305,12 +328,71 @@ def test_bad_linear_calls_raise(rng):
 def test_the_input_of_a_forward_is_kept_alive_without_a_copy(rng):
     lin = octet.Linear(16, 16, seed=2)
     x = rng.uniform(-1, 1, (16, 16)).astype(np.float32)
-    import sys
     refs = sys.getrefcount(x)
     _, record = lin.forward(x)
     assert sys.getrefcount(x) == refs + 1  # octet holds the array itself (f32 compute keeps it)
     del record
     assert sys.getrefcount(x) == refs
+
+
+def test_forward_consumes_a_capsule_also_when_the_call_fails(rng):
+    lin = octet.Linear(16, 8, seed=4)
+    x = rng.uniform(-1, 1, (4, 16)).astype(np.float32)
+    capsule = x.__dlpack__()
+    y, _ = lin.forward(capsule)
+    assert "used_dltensor" in repr(capsule)
+    np.testing.assert_array_equal(y, lin.forward(x)[0])
+    bad = np.ones((4, 8), np.float32)
+    refs = sys.getrefcount(bad)
+    capsule = bad.__dlpack__()
+    assert sys.getrefcount(bad) == refs + 1
+    with pytest.raises(octet.OctetError, match="16"):
+        lin.forward(capsule)
+    assert "used_dltensor" in repr(capsule)
+    assert sys.getrefcount(bad) == refs  # octet ran the deleter once
+
+
+class _Producer:
+    """Hands a given capsule to numpy.from_dlpack."""
+
+    def __init__(self, capsule):
+        self.capsule = capsule
+
+    def __dlpack__(self, **kwargs):
+        return self.capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+def test_an_output_is_handed_on_once_and_its_capsule_owns_it():
+    lin = octet.Linear(16, 8, seed=4)
+    w = lin.weight.copy()
+    exported = lin.view("weight", convert=lambda e: e)
+    assert exported.__dlpack_device__() == (1, 0)
+    capsule = exported.__dlpack__()
+    with pytest.raises(BufferError):
+        exported.__dlpack__()
+    with pytest.raises(BufferError):
+        exported.to_numpy()
+    unused = lin.view("bias", convert=lambda e: e.__dlpack__())
+    del lin, unused  # the unconsumed capsule releases its tensor; the other keeps the weight
+    np.testing.assert_array_equal(np.from_dlpack(_Producer(capsule)), w)
+
+
+def test_modules_and_their_records_are_freed():
+    lin = octet.Linear(16, 16, seed=4)
+    x = np.ones((16, 16), np.float32)
+    with octet.fp8_autocast(octet.Recipe.delayed(), registry=octet.Registry()):
+        y, record = lin.forward(x)
+    lin.backward(np.ones((16, 16), np.float32), record)
+    refs = sys.getrefcount(x)
+    _, held = lin.forward(x)  # an f32 record holds its input itself
+    assert sys.getrefcount(x) == refs + 1
+    alive = weakref.ref(lin)
+    del lin, record, y, held
+    gc.collect()
+    assert alive() is None and sys.getrefcount(x) == refs
 
 
 def test_api_version():

@@ -1,5 +1,8 @@
 """octet.torch.Linear: a torch.nn.Module over octet's Linear. Skipped without PyTorch; the CUDA
 cases are skipped without a GPU."""
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -155,6 +158,19 @@ def test_training_steps_keep_no_records_of_finished_forwards():
     y = lin(torch.randn(16, 32))  # a forward whose backward is still to come
     assert len(lin._records) == 1
     y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_module_is_freed_after_training_steps(device):
+    lin = ot.Linear(32, 16, device=device)
+    x = torch.randn(16, 32, device=device, requires_grad=True)
+    with octet.fp8_autocast(octet.Recipe.delayed()):
+        for _ in range(3):
+            lin(x).sum().backward()
+    alive = weakref.ref(lin)
+    del lin
+    gc.collect()
+    assert alive() is None
 
 
 def _tiny_gpt(linear, device, vocab=256, dim=256, heads=4, seq=128, layers=2):

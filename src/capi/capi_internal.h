@@ -4,9 +4,11 @@
 
 #include <atomic>
 #include <new>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "octet/core/device.h"
 #include "octet/core/error.h"
 #include "octet/core/tensor.h"
 #include "octet/fp8/quantized_tensor.h"
@@ -112,8 +114,9 @@ Tensor adopt(DLManagedTensor* t, const char* what);
 DLManagedTensor* export_tensor(const Tensor& t, void* stream);
 
 /// Makes octet's stream on `device` wait for the caller's `stream`, and on destruction the
-/// caller's stream wait for octet's: a call is stream-ordered on the caller's stream. Inert for
-/// the CPU.
+/// caller's stream wait for octet's: a call is stream-ordered on the caller's stream. `device` is
+/// the current CUDA device meanwhile (the caller's comes back after), so the ops inside switch
+/// nothing. Inert for the CPU.
 class StreamJoin {
  public:
   StreamJoin(const Device& device, void* stream);
@@ -122,8 +125,10 @@ class StreamJoin {
   StreamJoin& operator=(const StreamJoin&) = delete;
 
  private:
-  Device device_;
+  std::optional<DeviceGuard> guard_;  ///< CUDA only
   void* stream_;
+  void* octet_stream_ = nullptr;  ///< cudaStream_t
+  void* event_ = nullptr;         ///< cudaEvent_t
 };
 
 }  // namespace octet::capi

@@ -68,6 +68,14 @@ DType from_dl_dtype(DLDataType t, const char* what) {
                                        " (expected float32, bfloat16, float16, uint8 or int)"));
 }
 
+/// check_device_available, with the GPU count read once (it cannot change while the process runs),
+/// so that a call makes no device query. A CPU tensor never starts the CUDA runtime.
+void check_available(const Device& device) {
+  if (device.is_cpu()) return;
+  static const int visible = cuda_device_count();
+  if (device.index >= visible) check_device_available(device);  // throws octet's message
+}
+
 /// The octet view of a DLTensor: validated device, dtype, shape and layout.
 struct Checked {
   void* data;
@@ -102,7 +110,7 @@ Checked check(const DLTensor* t, const char* what) {
                    ": data is not aligned to its ", element, "-byte elements");
   OCTET_CAPI_CHECK(c.data != nullptr || shape_numel(c.shape) == 0, what, ": NULL data for shape ",
                    shape_str(c.shape));
-  check_device_available(c.device);
+  check_available(c.device);
   return c;
 }
 
@@ -114,21 +122,30 @@ struct Exported {
 };
 
 #if OCTET_WITH_CUDA
-/// One event per device and thread, reused for every join (cudaStreamWaitEvent captures the
-/// event's state at the call, so recording it again later is safe).
-cudaEvent_t join_event(const Device& device) {
-  thread_local std::vector<cudaEvent_t> events;
-  if (static_cast<int>(events.size()) <= device.index) events.resize(device.index + 1, nullptr);
-  if (events[device.index] == nullptr)
-    OCTET_CHECK_CUDA(cudaEventCreateWithFlags(&events[device.index], cudaEventDisableTiming));
-  return events[device.index];
+/// octet's stream on a device and this thread's event for joining it with a caller's stream.
+struct JoinPoint {
+  cudaStream_t octet = nullptr;
+  cudaEvent_t event = nullptr;
+};
+
+/// This thread's join point on `device`, which must be the current device. Made on first use and
+/// kept: octet's streams live as long as the process, so a call looks nothing up (no lock, no
+/// device query). cudaStreamWaitEvent captures the event's state at the call, so recording it
+/// again later is safe.
+const JoinPoint& join_point(const Device& device) {
+  thread_local std::vector<JoinPoint> points;
+  if (static_cast<int>(points.size()) <= device.index) points.resize(device.index + 1);
+  JoinPoint& p = points[device.index];
+  if (p.event == nullptr) {
+    p.octet = cuda::stream(device);
+    OCTET_CHECK_CUDA(cudaEventCreateWithFlags(&p.event, cudaEventDisableTiming));
+  }
+  return p;
 }
 
-/// `waiter` waits for what `producer` has queued so far, on `device`.
-void stream_wait(cudaStream_t waiter, cudaStream_t producer, const Device& device) {
+/// `waiter` waits for what `producer` has queued so far (both on the current device).
+void stream_wait(cudaStream_t waiter, cudaStream_t producer, cudaEvent_t event) {
   if (waiter == producer) return;
-  DeviceGuard guard(device);
-  cudaEvent_t event = join_event(device);
   OCTET_CHECK_CUDA(cudaEventRecord(event, producer));
   OCTET_CHECK_CUDA(cudaStreamWaitEvent(waiter, event, 0));
 }
@@ -142,7 +159,9 @@ void release_exported(DLManagedTensor* self) {
     // A deleter cannot report a failure, so one is ignored (the free then is not ordered).
     try {
       const Device& d = e->storage->device();
-      stream_wait(cuda::stream(d), static_cast<cudaStream_t>(e->stream), d);
+      DeviceGuard guard(d);
+      const JoinPoint& p = join_point(d);
+      stream_wait(p.octet, static_cast<cudaStream_t>(e->stream), p.event);
     } catch (...) {
     }
   }
@@ -259,19 +278,24 @@ DLManagedTensor* export_tensor(const Tensor& t, void* stream) {
   return &e.release()->managed;
 }
 
-StreamJoin::StreamJoin(const Device& device, void* stream) : device_(device), stream_(stream) {
+StreamJoin::StreamJoin(const Device& device, void* stream) : stream_(stream) {
 #if OCTET_WITH_CUDA
-  if (device_.is_cuda())
-    stream_wait(cuda::stream(device_), static_cast<cudaStream_t>(stream_), device_);
+  if (!device.is_cuda()) return;
+  guard_.emplace(device);
+  const JoinPoint& p = join_point(device);
+  octet_stream_ = p.octet;
+  event_ = p.event;
+  stream_wait(p.octet, static_cast<cudaStream_t>(stream_), p.event);
 #endif
 }
 
 StreamJoin::~StreamJoin() {
 #if OCTET_WITH_CUDA
   // A failed join cannot be reported from a destructor; the call's own error (if any) stands.
+  if (!guard_) return;
   try {
-    if (device_.is_cuda())
-      stream_wait(static_cast<cudaStream_t>(stream_), cuda::stream(device_), device_);
+    stream_wait(static_cast<cudaStream_t>(stream_), static_cast<cudaStream_t>(octet_stream_),
+                static_cast<cudaEvent_t>(event_));
   } catch (...) {
   }
 #endif

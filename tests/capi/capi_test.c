@@ -296,6 +296,8 @@ static void test_quantize(void) {
   cuda.device.device_type = kDLCUDA;
   cuda.device.device_id = 99;
   FAILS(octet_quantize(&cuda, &o, NULL, &q), OCTET_ERROR_RUNTIME, "cuda:99");
+  /* Again: the GPU count is read once, and an unknown GPU stays an error after that. */
+  FAILS(octet_quantize(&cuda, &o, NULL, &q), OCTET_ERROR_RUNTIME, "cuda:99");
   DLTensor misaligned = xt;
   misaligned.byte_offset = 2;
   FAILS(octet_quantize(&misaligned, &o, NULL, &q), OCTET_ERROR_INVALID_ARGUMENT, "aligned");
