@@ -612,6 +612,15 @@ if "bindings" in stages:
             lines.append(f"  octet.torch.Linear fwd+bwd {'x'.join(map(str, r['shape']))}: "
                          f"{r['octet_fp8_s'] * 1e3:.3f} ms vs torch.nn.Linear BF16 autocast "
                          f"{r['torch_bf16_s'] * 1e3:.3f} ms = {r['speedup']:.2f}x")
+        s = b["small"]
+        if "octet_direct_s" in s:
+            cpp = (runs if "bench" in stages else {}).get(
+                "linear/call_latency/fp8_delayed/M128_K1024_N1024", {}).get("ms")
+            lines.append(f"  small call split: octet without autograd "
+                         f"{s['octet_direct_s'] * 1e3:.3f} ms" +
+                         (f" (C++ {cpp:.3f} ms)" if cpp else "") +
+                         f", autograd floor {s['autograd_floor_s'] * 1e3:.3f} ms, "
+                         f"module glue {s['module_glue_s'] * 1e3:.3f} ms")
     except (OSError, ValueError, KeyError):
         lines.append("  bench_linear.py: no result (bindings.log)")
     lines.append("  " + (value.get("bindings_readme") or "README example: no result"))

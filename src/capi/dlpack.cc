@@ -68,14 +68,6 @@ DType from_dl_dtype(DLDataType t, const char* what) {
                                        " (expected float32, bfloat16, float16, uint8 or int)"));
 }
 
-/// check_device_available, with the GPU count read once (it cannot change while the process runs),
-/// so that a call makes no device query. A CPU tensor never starts the CUDA runtime.
-void check_available(const Device& device) {
-  if (device.is_cpu()) return;
-  static const int visible = cuda_device_count();
-  if (device.index >= visible) check_device_available(device);  // throws octet's message
-}
-
 /// The octet view of a DLTensor: validated device, dtype, shape and layout.
 struct Checked {
   void* data;
@@ -110,7 +102,7 @@ Checked check(const DLTensor* t, const char* what) {
                    ": data is not aligned to its ", element, "-byte elements");
   OCTET_CAPI_CHECK(c.data != nullptr || shape_numel(c.shape) == 0, what, ": NULL data for shape ",
                    shape_str(c.shape));
-  check_available(c.device);
+  check_device_available(c.device);  // no device query after the first (the count is cached)
   return c;
 }
 
