@@ -36,12 +36,11 @@
 #include "octet/fp8/format.h"
 #include "ops/attention_backend.h"
 #include "ops/cuda/attention_tiling.h"
+#include "ops/cuda/launch_util.cuh"
 
 namespace octet::ops::cuda {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 /// The fast kernels work in base 2 (exp2f is a single MUFU.EX2): scores are scaled by log2(e),
 /// and lse converts back with ln(2).
 constexpr float kLog2e = 1.44269504088896340736f;
@@ -61,8 +60,6 @@ constexpr int kPad = 8;
 /// bf16 elements per 16-byte cp.async.
 constexpr int kChunk = 8;
 constexpr uintptr_t kFastAlignment = 16;
-/// The largest gridDim.y (CUDA Programming Guide, "Compute Capabilities": 65535).
-constexpr int64_t kMaxGridY = 65535;
 
 /// Tile sizes of the tensor-core kernels for head_dim kD with kM m16 row blocks per warp
 /// (AttentionTiling: kRows16 is kM = 1, kRows32 is kM = 2).
@@ -1001,8 +998,6 @@ __global__ void rope_kernel(Elem* __restrict__ qkv, int64_t pairs, int T, int H,
 
 // ----------------------------------------------------------------------------
 // kernel launchers
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Blocks of `threads` for `work_threads` threads in a 1-D grid.
 unsigned int grid_for(int64_t work_threads, int threads) {

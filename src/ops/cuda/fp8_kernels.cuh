@@ -13,11 +13,10 @@
 #include "octet/core/dtype.h"
 #include "octet/fp8/format.h"
 #include "octet/fp8/scaling_math.h"
+#include "ops/cuda/launch_util.cuh"
 
 namespace octet::ops::cuda::quant {
 
-inline constexpr int kWarpSize = 32;
-inline constexpr unsigned kFullMask = 0xFFFFFFFFu;
 /// Bytes of one vector access (LDG.128 / STG.128 / LDS.128 / cp.async.cg).
 inline constexpr int kVecBytes = 16;
 /// Elements a thread handles as one run: 16 FP8 bytes make one 16-byte store.
