@@ -231,17 +231,4 @@ __device__ __forceinline__ void publish_amax(uint32_t v, uint32_t* amax, uint32_
   }
 }
 
-// ----------------------------------------------------------------------------
-// Asynchronous global -> shared copies (sm_80+): whole tiles in flight without staging registers.
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-
-/// Waits for this thread's cp.async copies (a __syncthreads() must follow for other threads').
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
 }  // namespace octet::ops::cuda::quant

@@ -24,10 +24,20 @@ inline constexpr int kMmaK = 16;
 inline constexpr int kPad = 8;
 
 // ----------------------------------------------------------------------------
-// PTX: shared-memory addresses, cp.async, mma.sync, ldmatrix
+// Asynchronous global -> shared copies (sm_80+): whole tiles in flight without staging registers.
 
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+
+/// Waits for this thread's cp.async copies (a __syncthreads() must follow for other threads').
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 /// 16 bytes global -> shared, asynchronously; zero-fills (reading nothing) when !valid.
@@ -44,6 +54,9 @@ template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
+
+// ----------------------------------------------------------------------------
+// mma.sync and ldmatrix
 
 /// c += a * b for one m16n8k16 tile (bf16 in, f32 accumulate).
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,

@@ -28,6 +28,7 @@
 #include "ops/activation_math.h"
 #include "ops/cuda/fp8_kernels.cuh"
 #include "ops/cuda/launch_util.cuh"
+#include "ops/cuda/mma_util.cuh"
 #include "ops/quantize_backend.h"
 #include "ops/reduce_backend.h"
 #include "ops/sorted_search.h"
