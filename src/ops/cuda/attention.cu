@@ -3,8 +3,8 @@
 // Two paths compute the same function (the CPU reference in src/ops/cpu/attention.cc):
 // - bf16 with head_dim 64 or 128 and 16-byte aligned tensors: flash-attention-2 style kernels on
 //   BF16 tensor cores (mma.sync.m16n8k16, f32 accumulation). A CTA of 4 warps owns 16 or 32
-//   rows per warp (queries, or keys in the dK/dV kernel; FastTiles and AttentionTiling say which
-//   kernel uses which, and why), and every fragment a warp loads from shared memory (ldmatrix)
+//   rows per warp (queries, or keys in the dK/dV kernel; FastTiles and attention_flash.cu say
+//   which kernel uses which, and why), and every fragment a warp loads from shared memory (ldmatrix)
 //   feeds all of its row blocks; the other operand streams through
 //   double-buffered shared memory (cp.async), tiles entirely above the causal diagonal are never
 //   visited, and the softmax is online (running max and sum per row, base 2). P and dS are

@@ -74,8 +74,8 @@ inline float softmax_scale(const AttentionShape& s) {
 // ----------------------------------------------------------------------------
 // The paths, one file each
 
-/// The tensor-core forward and backward (attention_flash.cu), at the tiling
-/// default_attention_tiling picks; the tensors satisfy use_tensor_cores.
+/// The tensor-core forward and backward (attention_flash.cu), at the library's tilings; the
+/// tensors satisfy use_tensor_cores.
 void attention_forward_flash(const Tensor& qkv, const AttentionShape& s, const Tensor& out,
                              const Tensor& lse, float scale, cudaStream_t stream);
 void attention_backward_flash(const Tensor& dout, const Tensor& qkv, const Tensor& lse,

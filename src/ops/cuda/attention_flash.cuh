@@ -1,7 +1,7 @@
 // The bf16 tensor-core kernels of causal attention (flash-attention-2 style: forward, dK/dV and
 // dQ; attention.cu's file comment has the whole design), templated on head_dim and on the m16 row
 // blocks per warp, with their launchers. attention_flash.cu instantiates the tilings that
-// ops::attention_* use.
+// ops::attention_* use; bench/attention_tilings.cu the others, kept for measurement.
 //
 // Everything here has internal linkage (an unnamed namespace), as in the .cu file it came from:
 // each including file gets its own kernels, under the same names.
@@ -32,7 +32,7 @@ constexpr int kFastThreads = kFastWarps * kWarpSize;
 constexpr int kChunk = 8;
 
 /// Tile sizes of the tensor-core kernels for head_dim kD with kM m16 row blocks per warp
-/// (AttentionTiling: kRows16 is kM = 1, kRows32 is kM = 2).
+/// (the tilings of bench/attention_tilings.h: rows16 is kM = 1, rows32 is kM = 2).
 ///
 /// Why kM = 2: each B fragment a warp loads from shared memory (K or V in the forward, Q or dO in
 /// dK/dV, K or V in dQ) feeds kM MMAs, one per row block. With kM = 1 every m16n8k16 MMA (4096
