@@ -15,6 +15,7 @@
 #include "ops/activation_backend.h"
 #include "ops/activation_math.h"
 #include "ops/cuda/fused_cast.cuh"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/cuda/quantize_tile.cuh"
 
 namespace octet::ops::cuda {
@@ -24,8 +25,6 @@ constexpr int kThreads = 256;
 /// Grid-stride CTAs per SM: 8 x 256 threads fill an SM of sm_90 (2048 resident threads); more
 /// CTAs would only add amax publications.
 constexpr int kCtasPerSm = 8;
-
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ int64_t thread_index() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

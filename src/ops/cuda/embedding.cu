@@ -32,6 +32,7 @@
 
 #include "octet/core/cuda_context.h"
 #include "octet/fp8/format.h"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/embedding_backend.h"
 #include "ops/fixed_order_reduce.h"
 
@@ -43,8 +44,6 @@ namespace {
 constexpr int kColumnThreads = 256;
 /// Threads per CTA of the element-wise kernels over sorted positions.
 constexpr int kPositionThreads = 256;
-/// CUDA's limit on gridDim.y (the column slices).
-constexpr int64_t kMaxGridY = 65535;
 /// Bytes of one vectorized global load or store (LDG.128 / STG.128 / LDS.128).
 constexpr int kPackBytes = 16;
 /// Static shared memory of the cross-entropy kernels: the reduction tree's lanes.
@@ -58,8 +57,6 @@ constexpr size_t kDefaultDynamicSmemBytes = 48 * 1024;
 /// CTAs per SM the staged cross-entropy kernel's registers must allow: a bf16 row of GPT-2's 50304
 /// logits (98 KiB) leaves room for two in an H200 SM's 228 KiB of shared memory.
 constexpr int kStagedCtasPerSm = 2;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ float load_float(const float* x, int64_t i) { return x[i]; }
 __device__ __forceinline__ float load_float(const uint16_t* x, int64_t i) {

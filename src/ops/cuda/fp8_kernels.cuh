@@ -13,11 +13,10 @@
 #include "octet/core/dtype.h"
 #include "octet/fp8/format.h"
 #include "octet/fp8/scaling_math.h"
+#include "ops/cuda/launch_util.cuh"
 
 namespace octet::ops::cuda::quant {
 
-inline constexpr int kWarpSize = 32;
-inline constexpr unsigned kFullMask = 0xFFFFFFFFu;
 /// Bytes of one vector access (LDG.128 / STG.128 / LDS.128 / cp.async.cg).
 inline constexpr int kVecBytes = 16;
 /// Elements a thread handles as one run: 16 FP8 bytes make one 16-byte store.
@@ -230,19 +229,6 @@ __device__ __forceinline__ void publish_amax(uint32_t v, uint32_t* amax, uint32_
     __threadfence();
     atomicMax(amax, m);
   }
-}
-
-// ----------------------------------------------------------------------------
-// Asynchronous global -> shared copies (sm_80+): whole tiles in flight without staging registers.
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-
-/// Waits for this thread's cp.async copies (a __syncthreads() must follow for other threads').
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 }  // namespace octet::ops::cuda::quant

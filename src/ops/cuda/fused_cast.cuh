@@ -14,14 +14,13 @@
 #include "octet/core/device.h"
 #include "octet/fp8/scaling_math.h"
 #include "ops/activation_math.h"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/norm_backend.h"
 
 namespace octet::ops::cuda {
 
 /// Bytes of the widest global load and store (LDG.128 / STG.128).
 inline constexpr int kVectorBytes = 16;
-inline constexpr int kWarpSize = 32;
-inline constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 
 /// Elements of T in one 16-byte access: 4 f32 or 8 bf16.
 template <typename T>
@@ -69,7 +68,7 @@ __device__ __forceinline__ V warp_reduce(V v, Op op) {
   // A butterfly: both partners of each step combine the same two values, so with a commutative
   // op every lane ends with bitwise the same result.
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2)
-    v = op(v, __shfl_xor_sync(kFullWarp, v, offset));
+    v = op(v, __shfl_xor_sync(kFullMask, v, offset));
   return v;
 }
 

@@ -116,7 +116,6 @@ Tensor dequantize_mxfp8(const GemmOperand& x, cudaStream_t stream) {
 /// bias and addend may be undefined.
 void add_epilogue(const Tensor& src, const Tensor& d, const Tensor& bias, const Tensor& addend,
                   int64_t rows, int64_t cols, cudaStream_t stream) {
-  constexpr int64_t kMaxGridY = 65535;
   const dim3 grid(static_cast<unsigned>(ceil_div(ceil_div(cols, kEpilogueCols), kThreadsPerBlock)),
                   static_cast<unsigned>(std::min(ceil_div(rows, kEpilogueRows), kMaxGridY)));
   add_epilogue_kernel<<<grid, kThreadsPerBlock, 0, stream>>>(

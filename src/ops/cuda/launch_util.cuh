@@ -1,6 +1,7 @@
-// Launch arithmetic shared by the CUDA backends: grids of the GEMM families' small elementwise
-// kernels (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what a
-// launch may pass in its parameters.
+// Launch arithmetic shared by the CUDA backends: the warp and grid limits every family uses,
+// ceil_div and round_up (host and device), grids of the GEMM families' small elementwise kernels
+// (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what a launch
+// may pass in its parameters. CUDA sources only (.cu and .cuh).
 #pragma once
 
 #include <cstddef>
@@ -11,6 +12,12 @@
 
 namespace octet::ops::cuda {
 
+inline constexpr int kWarpSize = 32;
+/// Every lane of a warp, for the __shfl_*_sync and __reduce_*_sync intrinsics.
+inline constexpr unsigned kFullMask = 0xFFFFFFFFu;
+/// The largest gridDim.y (CUDA Programming Guide, "Compute Capabilities": 65535).
+inline constexpr int64_t kMaxGridY = 65535;
+
 inline constexpr int kThreadsPerBlock = 256;
 
 /// Bytes of parameters one kernel launch may take: 32,764 since CUDA 12.1 on Volta and newer
@@ -19,8 +26,9 @@ inline constexpr int kThreadsPerBlock = 256;
 /// descriptor table uploaded first.
 inline constexpr size_t kMaxKernelParamBytes = 32764;
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+/// a / b rounded up (a >= 0, b > 0), on the host, in kernels and in constant expressions.
+__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 /// Blocks for one thread per element over n elements; throws past the 1-D grid limit.
 inline unsigned int grid_for(int64_t n) {

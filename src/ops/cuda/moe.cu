@@ -15,6 +15,7 @@
 
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/cuda/quantize_tile.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
@@ -32,8 +33,6 @@ constexpr int kThreads = 256;
 /// Threads of every per-row and per-expert reduction: the lanes of the fixed order.
 constexpr int kLanes = kMoeDotLanes;
 static_assert(kLanes == kThreads, "the row kernels reduce with all their threads");
-
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 
 // ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@
 #include "ops/activation_math.h"
 #include "ops/cuda/fp8_kernels.cuh"
 #include "ops/cuda/fused_cast.cuh"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/norm_backend.h"
 
 namespace octet::ops::cuda {
@@ -66,8 +67,6 @@ constexpr int kWarpRowMaxPacks = 8;
 /// tile is one 32-byte sector of the transposed copy. The tile's codes are staged in shared
 /// memory (32 bytes per column: 51 KB at GPT-2 1.5B's 1600 columns).
 constexpr int kTransposeTileRows = 32;
-
-constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Threads per row and rows per CTA; a function of the row length only, so that the order of
 /// every reduction depends on the shape alone.

@@ -32,8 +32,6 @@ constexpr int kTransposeThreads = 256;
 /// 16-byte segments of a tile row: each thread moves one on load and one on store.
 constexpr int kTransposeSegments = kTransposeTile / 16;
 static_assert(kTransposeTile * kTransposeSegments == kTransposeThreads, "one segment per thread");
-/// The largest gridDim.y (CUDA Programming Guide, "Compute Capabilities").
-constexpr int64_t kMaxGridY = 65535;
 /// Tensors described per launch of the norm kernels. The batch travels as a kernel parameter
 /// (about 0.8 KB, well under the 4 KB every CUDA version accepts), so no descriptor table has to
 /// be copied to the device.

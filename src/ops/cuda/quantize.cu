@@ -168,7 +168,7 @@ void amax(const Tensor& x, const Tensor& amax_out) {
   math::visit_dtype(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* p = static_cast<const T*>(x.raw_data());
-    const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
+    const int grid = quant::flat_grid(ceil_div(n, quant::kRunElems), device);
     quant::amax_kernel<T>
         <<<grid, quant::kFlatThreads, 0, stream>>>(p, n, quant::vec_aligned(p), amax_bits);
     OCTET_CHECK_LAUNCH();
@@ -193,7 +193,7 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
       const int64_t n = rows * cols;
       auto* data = static_cast<uint8_t*>(out.data.raw_data());
       auto* scale_inv = static_cast<float*>(out.scale_inv.raw_data());
-      const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
+      const int grid = quant::flat_grid(ceil_div(n, quant::kRunElems), device);
       const bool vec = quant::vec_aligned(xp) && quant::vec_aligned(data);
       visit_fp8(out.dtype, [&](auto fp8_tag) {
         quant::quantize_per_tensor_kernel<T, decltype(fp8_tag)::value>
@@ -240,10 +240,10 @@ void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transpose
       p.block_rows = 1, p.block_cols = fp8::kMxBlock;
       break;
   }
-  p.scale_cols = quant::ceil_div(p.cols, p.block_cols);
+  p.scale_cols = ceil_div(p.cols, p.block_cols);
   p.e8m0 = q.mode == ScalingMode::mxfp8_1x32;
   p.vec = quant::vec_aligned(p.q) && quant::vec_aligned(p.out) && p.cols % quant::kRunElems == 0;
-  const int grid = quant::flat_grid(p.rows * quant::ceil_div(p.cols, quant::kRunElems), device);
+  const int grid = quant::flat_grid(p.rows * ceil_div(p.cols, quant::kRunElems), device);
   math::visit_dtype(out.dtype(), [&](auto out_tag) {
     using TOut = decltype(out_tag);
     visit_fp8(q.dtype, [&](auto fp8_tag) {
@@ -264,7 +264,7 @@ void cast(const Tensor& x, const Tensor& out) {
     return;
   }
   const int64_t n = x.numel();
-  const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
+  const int grid = quant::flat_grid(ceil_div(n, quant::kRunElems), device);
   const bool vec = quant::vec_aligned(x.raw_data()) && quant::vec_aligned(out.raw_data());
   if (x.dtype() == DType::f32) {
     quant::cast_kernel<float, uint16_t><<<grid, quant::kFlatThreads, 0, stream>>>(
@@ -288,7 +288,7 @@ void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts)
   math::visit_dtype(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* p = static_cast<const T*>(x.raw_data());
-    const int grid = quant::flat_grid(quant::ceil_div(n, quant::kRunElems), device);
+    const int grid = quant::flat_grid(ceil_div(n, quant::kRunElems), device);
     quant::count_fp8_codes_kernel<T>
         <<<grid, quant::kFlatThreads, 0, stream>>>(p, c, n, quant::vec_aligned(p), max_code, out);
     OCTET_CHECK_LAUNCH();

@@ -27,6 +27,8 @@
 #include "octet/ops/reduce.h"
 #include "ops/activation_math.h"
 #include "ops/cuda/fp8_kernels.cuh"
+#include "ops/cuda/launch_util.cuh"
+#include "ops/cuda/mma_util.cuh"
 #include "ops/quantize_backend.h"
 #include "ops/reduce_backend.h"
 #include "ops/sorted_search.h"
@@ -417,8 +419,6 @@ __global__ void __launch_bounds__(kTileThreads, kTileGroupCtasPerSm)
 
 // ----------------------------------------------------------------------------
 // Host side
-
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Calls f with the scaling mode as a compile-time constant.
 template <typename F>

@@ -6,6 +6,7 @@
 #include "core/nvtx.h"
 #include "octet/core/cuda_context.h"
 #include "octet/fp8/format.h"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/reduce_backend.h"
 
 namespace octet::ops::cuda {
@@ -26,8 +27,6 @@ constexpr int kRowsInFlight = kRunsInFlight * static_cast<int>(kSumRowsRunRows);
 /// Threads per block of the second pass, one column each: small blocks spread a bias's few
 /// thousand columns over more SMs.
 constexpr int kSecondPassThreads = 64;
-/// CUDA's limit on gridDim.y.
-constexpr int64_t kMaxGridY = 65535;
 
 /// kN consecutive elements of x starting at i (aligned to kN elements), as floats.
 template <int kN, typename T>

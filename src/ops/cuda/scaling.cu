@@ -11,14 +11,13 @@
 #include "octet/core/cuda_context.h"
 #include "octet/core/device.h"
 #include "octet/fp8/format.h"
+#include "ops/cuda/launch_util.cuh"
 #include "ops/scaling_backend.h"
 
 namespace octet::ops::cuda {
 namespace scaling {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 /// Groups per launch of the update kernel; more are split into several launches. 256 group
 /// descriptors (64 B each) are 16 KiB of kernel parameters, within the 32764 B that CUDA 12.1+
 /// allows on sm_70+.

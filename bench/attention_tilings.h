@@ -1,13 +1,14 @@
-// Internal to the CUDA attention backend and its benchmark (bench/attention_bench.cc): the tilings
-// of the bf16 tensor-core kernels, so that one GPU run can time them side by side. Not part of the
-// op contract; ops::attention_* always use default_attention_tiling.
+// The tilings of the bf16 tensor-core attention kernels (src/ops/cuda/attention_flash.cuh), named
+// so that one GPU run can time them side by side (attention_bench.cc). liboctet instantiates only
+// the ones ops::attention_* use (default_attention_tiling, in src/ops/cuda/attention_flash.cu);
+// attention_tilings.cu instantiates the others, kept for measurement. Not part of any op contract.
 #pragma once
 
 #include <cstdint>
 
 #include "octet/ops/attention.h"
 
-namespace octet::ops::cuda {
+namespace octet::bench {
 
 /// Rows each warp of the tensor-core kernels owns: queries (forward, dQ) or keys (dK/dV).
 enum class AttentionTiling {
@@ -23,7 +24,8 @@ enum class AttentionTiling {
   kRows32Dkdv,
 };
 
-/// The tiling ops::attention_forward/backward use for `head_dim` (64 or 128).
+/// The tiling ops::attention_forward/backward use for `head_dim` (64 or 128): what
+/// src/ops/cuda/attention_flash.cu instantiates.
 AttentionTiling default_attention_tiling(int64_t head_dim);
 
 /// Short name of a tiling, for benchmark names ("rows16", "rows32", "rows32_dkdv").
@@ -31,13 +33,13 @@ const char* attention_tiling_name(AttentionTiling tiling);
 
 /// ops::cuda::attention_forward on the tensor-core path with an explicit tiling. Throws unless
 /// qkv is bf16 with head_dim 64 or 128 (only kRows16 at 128) and every tensor is 16-byte aligned.
-void attention_forward_tiled(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
+void attention_forward_tiled(const Tensor& qkv, const ops::AttentionShape& shape, const Tensor& out,
                              const Tensor& lse, AttentionTiling tiling);
 
 /// ops::cuda::attention_backward (delta included) on the tensor-core path with an explicit
 /// tiling; the same requirements as attention_forward_tiled.
 void attention_backward_tiled(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                              const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv,
-                              AttentionTiling tiling);
+                              const Tensor& lse, const ops::AttentionShape& shape,
+                              const Tensor& dqkv, AttentionTiling tiling);
 
-}  // namespace octet::ops::cuda
+}  // namespace octet::bench
