@@ -152,20 +152,7 @@ double median_seconds_per_call(const Work& work) {
   return per_call[kCeilingBatches / 2];
 }
 
-double copy_bandwidth() {
-  static const double bandwidth = [] {
-    DeviceGuard guard(device());
-    const auto bytes = static_cast<int64_t>(kCopyBytes);
-    Tensor src = random_tensor({bytes}, DType::e4m3, kCopySlot);
-    Tensor dst = Tensor::empty({bytes}, DType::u8, device());
-    const double seconds = median_seconds_per_call([&] {
-      OCTET_CHECK_CUDA(cudaMemcpyAsync(dst.raw_data(), src.raw_data(), kCopyBytes,
-                                       cudaMemcpyDeviceToDevice, stream()));
-    });
-    return 2.0 * static_cast<double>(kCopyBytes) / seconds;
-  }();
-  return bandwidth;
-}
+double copy_bandwidth() { return copy_bandwidth_at(2.0 * static_cast<double>(kCopyBytes)); }
 
 double copy_bandwidth_at(double bytes) {
   static auto* measured = new std::map<int64_t, double>;  // bandwidth by bytes copied
