@@ -322,6 +322,23 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype,
   return fused;
 }
 
+ops::FusedQuantize Linear::refill_input(Saved& saved, bool rowwise) {
+  const Snapshot& snap = saved.snapshot;
+  OCTET_CHECK(snap.fp8 && snap.weight != nullptr && !saved.input_shape.empty(),
+              "Linear::refill_input needs the record of an FP8 training forward, got ",
+              snap.fp8 ? "an empty one" : "a high-precision one");
+  const fp8::Recipe& recipe = snap.recipe;
+  saved.input_q = fp8::QuantizedTensor::allocate(
+      shape_numel(saved.input_shape) / in_, in_, recipe.dtype_for(TensorRole::input),
+      recipe.mode_for(TensorRole::input), fp8::Usage{.rowwise = rowwise, .columnwise = true},
+      device_);
+  ops::FusedQuantize target;
+  target.out = &saved.input_q;
+  target.args.scale = snap.input_scale;  // per-tensor recipes: the forward's; else undefined
+  target.args.power_of_2_block_scales = recipe.power_of_2_scales;
+  return target;
+}
+
 Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Tensor& residual) {
   Shape y_shape = x.defined() ? x.shape() : saved.input_shape;
   if (!y_shape.empty()) y_shape.back() = out_;
