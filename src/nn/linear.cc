@@ -204,8 +204,10 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
 const Linear::NextCast& Linear::prepare_next_cast() {
   next_cast_.reset();
   next_targets_ = NextCast{};
-  if (!weight_cast_) return next_targets_;
-  const WeightCast::Key& key = weight_cast_->key;
+  // This step's cast is read no more: freed before the optimizer writes the next one.
+  const std::shared_ptr<const WeightCast> current = std::move(weight_cast_);
+  if (!current) return next_targets_;
+  const WeightCast::Key& key = current->key;
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
   if (key.fp8) {

@@ -597,7 +597,7 @@ std::vector<ParamCast> GPT::next_casts() {
     if (e.weight_of != nullptr) e.weight_of->prepare_next_cast();
   std::vector<ParamCast> casts(entries.size());
   Impl& m = *impl_;
-  m.next_head_cast = Tensor();
+  m.head_cast = m.next_head_cast = Tensor();  // as Linear::prepare_next_cast: read no more
   for (size_t i = 0; i < entries.size(); ++i) {
     if (m.act != DType::f32 && entries[i].value.raw_data() == m.head_weight().raw_data()) {
       m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.device);

@@ -201,7 +201,8 @@ class Linear {
   /// optimizer can reproduce (FP8 delayed per-tensor, or a dense bf16/f32 copy); returns what
   /// the optimizer must write (all empty otherwise). The caller writes every prepared field, then
   /// calls on_weights_updated(PreparedCast::written); a next forward in another format casts
-  /// again.
+  /// again. This step's cast is dropped at once (its last reader was the backward), so the
+  /// optimizer never holds two.
   const NextCast& prepare_next_cast();
   /// GEMM batching: while `queue` is set, forward and backward append their GEMMs to *queue
   /// (after every cast they read is enqueued) instead of running them, and the caller runs the
