@@ -25,6 +25,13 @@ void after_linear(const LinearObserver* observer, ForwardMode mode, LinearSlot s
   if (mode != ForwardMode::inference) saved.release_forward_only();
 }
 
+/// Frees a training forward's FP8 input of a Linear whose backward casts it again (refill_input
+/// below), under Fusion::input_recast.
+void release_for_recast(ForwardMode mode, Linear::Saved& saved) {
+  if (mode == ForwardMode::normal && fusion_enabled(Fusion::input_recast))
+    saved.release_fp8_input();
+}
+
 /// The FP8 input that a training forward released (Linear::Saved::release_fp8_input), rebuilt
 /// before `linear`'s backward; a record that kept it (a recompute's, or a high-precision one) is
 /// left alone. produce(fused) runs the input's producer as the forward ran it: with `fused`, it
@@ -172,7 +179,7 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& sa
   Tensor y = proj_.forward(saved.out, saved.proj, mode, residual);
   after_linear(observer, mode, LinearSlot::proj, saved.out, saved.proj);
   // proj's input is kept for the attention's backward: its FP8 copy is made again from it.
-  if (mode == ForwardMode::normal) saved.proj.release_fp8_input();
+  release_for_recast(mode, saved.proj);
   return y;
 }
 
@@ -220,7 +227,7 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Linea
   Tensor y = fc2_.forward(act, saved.fc2, mode, residual);
   after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
   // The activation's input is kept for its backward: fc2's FP8 input is made again from it.
-  if (mode == ForwardMode::normal) saved.fc2.release_fp8_input();
+  release_for_recast(mode, saved.fc2);
   return y;
 }
 
@@ -316,7 +323,7 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   saved.residual = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer,
                                  /*residual=*/x);
   // qkv's and fc1's FP8 inputs are made again in backward from the norms' kept inputs.
-  if (mode == ForwardMode::normal) saved.attn.qkv.release_fp8_input();
+  release_for_recast(mode, saved.attn.qkv);
   if (moe_) {  // the experts' inputs are the dispatched rows: norm2 writes no FP8 copy
     const Tensor h2 = norm2_.forward(saved.residual, saved.norm2);
     Tensor y = moe_->forward(h2, saved.moe, mode, /*residual=*/saved.residual);
@@ -329,11 +336,10 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr,
                                    !fused_fc1 || observed);
   Tensor y = mlp_->forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);
-  if (mode == ForwardMode::normal) saved.mlp.fc1.release_fp8_input();
+  release_for_recast(mode, saved.mlp.fc1);
   saved.complete = true;
   return y;
 }
-
 
 Tensor TransformerBlock::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
                                  ForwardMode mode, const LinearObserver* observer) {
