@@ -34,8 +34,10 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "fp8_format; default hybrid)");
   cmd->add_option("--unfuse", o.unfuse,
                   "switch fused casts off: all, or a comma list of norm-cast, activation-cast, "
-                  "activation-grad-cast, bias-grad, optimizer-cast, moe-activation-cast "
-                  "(bitwise the same results; to bisect a numerical difference)");
+                  "activation-grad-cast, bias-grad, optimizer-cast, moe-activation-cast, "
+                  "input-recast (bitwise the same results; to bisect a numerical difference; "
+                  "input-recast off keeps the FP8 Linear inputs for backward: faster, more "
+                  "memory)");
   cmd->add_option("--model", o.model,
                   "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b, moe-tiny or moe-16x2048 "
                   "(default: tiny on CPU, gpt2-124m on GPU)");

@@ -11,8 +11,8 @@ namespace octet::nn {
 namespace {
 
 constexpr std::array<std::string_view, kFusionCount> kNames = {
-    "norm-cast",      "activation-cast",    "activation-grad-cast", "bias-grad",
-    "optimizer-cast", "moe-activation-cast"};
+    "norm-cast",      "activation-cast",     "activation-grad-cast", "bias-grad",
+    "optimizer-cast", "moe-activation-cast", "input-recast"};
 
 std::string valid_names() {
   std::string out = "all, none";

@@ -204,8 +204,10 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
 const Linear::NextCast& Linear::prepare_next_cast() {
   next_cast_.reset();
   next_targets_ = NextCast{};
-  if (!weight_cast_) return next_targets_;
-  const WeightCast::Key& key = weight_cast_->key;
+  // This step's cast is read no more: freed before the optimizer writes the next one.
+  const std::shared_ptr<const WeightCast> current = std::move(weight_cast_);
+  if (!current) return next_targets_;
+  const WeightCast::Key& key = current->key;
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
   if (key.fp8) {
@@ -320,6 +322,23 @@ std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype,
   fused.args.scale = saved.snapshot.input_scale;
   if (mode == ForwardMode::normal) fused.args.amax = state_->amax_slot(TensorRole::input);
   return fused;
+}
+
+ops::FusedQuantize Linear::refill_input(Saved& saved, bool rowwise) {
+  const Snapshot& snap = saved.snapshot;
+  OCTET_CHECK(snap.fp8 && snap.weight != nullptr && !saved.input_shape.empty(),
+              "Linear::refill_input needs the record of an FP8 training forward, got ",
+              snap.fp8 ? "an empty one" : "a high-precision one");
+  const fp8::Recipe& recipe = snap.recipe;
+  saved.input_q = fp8::QuantizedTensor::allocate(
+      shape_numel(saved.input_shape) / in_, in_, recipe.dtype_for(TensorRole::input),
+      recipe.mode_for(TensorRole::input), fp8::Usage{.rowwise = rowwise, .columnwise = true},
+      device_);
+  ops::FusedQuantize target;
+  target.out = &saved.input_q;
+  target.args.scale = snap.input_scale;  // per-tensor recipes: the forward's; else undefined
+  target.args.power_of_2_block_scales = recipe.power_of_2_scales;
+  return target;
 }
 
 Tensor Linear::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Tensor& residual) {

@@ -4,6 +4,7 @@
 
 #include "octet/nn/fusion.h"
 #include "octet/ops/norm.h"
+#include "octet/ops/quantize.h"
 
 namespace octet::nn {
 namespace {
@@ -22,6 +23,49 @@ void after_linear(const LinearObserver* observer, ForwardMode mode, LinearSlot s
                   const Tensor& x, Linear::Saved& saved) {
   if (observer != nullptr && *observer && mode == ForwardMode::normal) (*observer)(slot, x, saved);
   if (mode != ForwardMode::inference) saved.release_forward_only();
+}
+
+/// Frees a training forward's FP8 input of a Linear whose backward casts it again (refill_input
+/// below), under Fusion::input_recast.
+void release_for_recast(ForwardMode mode, Linear::Saved& saved) {
+  if (mode == ForwardMode::normal && fusion_enabled(Fusion::input_recast))
+    saved.release_fp8_input();
+}
+
+/// The FP8 input that a training forward released (Linear::Saved::release_fp8_input), rebuilt
+/// before `linear`'s backward; a record that kept it (a recompute's, or a high-precision one) is
+/// left alone. produce(fused) runs the input's producer as the forward ran it: with `fused`, it
+/// writes the FP8 copies only (where the forward could fuse that cast: `fusable`, its switch on,
+/// and delayed scaling), else it returns the input, quantized here. A fused producer gets the
+/// row-wise copy too when `rowwise` (a norm writes both in one pass), freed at once.
+template <typename Produce>
+void refill_input(Linear& linear, Linear::Saved& saved, bool fusable, bool rowwise,
+                  Produce&& produce) {
+  if (!saved.snapshot.fp8 || saved.input_q.has_columnwise()) return;
+  if (fusable && linear.takes_fused_input(saved, ForwardMode::recompute)) {
+    const ops::FusedQuantize target = linear.refill_input(saved, rowwise);
+    produce(&target);
+    saved.release_forward_only();
+  } else {
+    const ops::FusedQuantize target = linear.refill_input(saved);
+    ops::quantize(produce(nullptr), *target.out, target.args);
+  }
+}
+
+/// Rebuilds `linear`'s FP8 input norm(x), which a training forward released.
+void refill_norm_output(const Norm& norm, const Tensor& x, Linear& linear, Linear::Saved& saved) {
+  refill_input(linear, saved, fusion_enabled(Fusion::norm_cast), /*rowwise=*/true,
+               [&](const ops::FusedQuantize* fused) {
+                 Norm::Saved stats;  // the forward's again; backward reads the forward's own
+                 return norm.forward(x, stats, fused, /*output=*/fused == nullptr);
+               });
+}
+
+/// The activation's output for `hidden` (fc1's output), `cols` wide.
+Tensor activation_output(const Tensor& hidden, int64_t cols) {
+  Shape shape = hidden.shape();
+  shape.back() = cols;
+  return Tensor::empty(shape, hidden.dtype(), hidden.device());
 }
 
 }  // namespace
@@ -134,17 +178,26 @@ Tensor Attention::forward(const Tensor& x, int64_t batch, int64_t seq, Saved& sa
   ops::attention_forward(saved.qkv_act, saved.shape, saved.out, saved.lse);
   Tensor y = proj_.forward(saved.out, saved.proj, mode, residual);
   after_linear(observer, mode, LinearSlot::proj, saved.out, saved.proj);
+  // proj's input is kept for the attention's backward: its FP8 copy is made again from it.
+  release_for_recast(mode, saved.proj);
   return y;
 }
 
-Tensor Attention::backward(const Tensor& dy, const Saved& saved) {
+Tensor Attention::backward(const Tensor& dy, Saved& saved) {
   OCTET_CHECK(saved.lse.defined(), "Attention::backward needs the Saved of a forward");
-  const Tensor dout = proj_.backward(dy, saved.proj);
+  refill_input(proj_, saved.proj, /*fusable=*/false, /*rowwise=*/false,
+               [&](const ops::FusedQuantize*) { return saved.out; });
+  Tensor dout = proj_.backward(dy, saved.proj);
+  saved.proj = Linear::Saved();
   Tensor dqkv = empty_like(saved.qkv_act);
   ops::attention_backward(dout, saved.qkv_act, saved.out, saved.lse, saved.shape, dqkv);
+  dout = Tensor();
+  saved.qkv_act = saved.out = saved.lse = Tensor();
   // RoPE is a rotation: its backward is the opposite rotation of the gradient.
   if (rope_) ops::rope(dqkv, saved.shape, rope_theta_, /*inverse=*/true);
-  return qkv_.backward(dqkv, saved.qkv);
+  Tensor dx = qkv_.backward(dqkv, saved.qkv);
+  saved.qkv = Linear::Saved();
+  return dx;
 }
 
 // ----------------------------------------------------------------------------
@@ -168,33 +221,38 @@ Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode, const Linea
   // With fc2's input cast fused, the activation's high-precision output is needed only by an
   // observer (the FP8 statistics); otherwise it is never written.
   const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
-  Tensor act;
-  if (!fused || observed) {
-    Shape act_shape = saved.hidden.shape();
-    act_shape.back() = fc2_.in_features();
-    act = Tensor::empty(act_shape, saved.hidden.dtype(), saved.hidden.device());
-  }
+  const Tensor act =
+      !fused || observed ? activation_output(saved.hidden, fc2_.in_features()) : Tensor();
   ops::activation_forward(activation_, saved.hidden, act, fused ? &*fused : nullptr);
   Tensor y = fc2_.forward(act, saved.fc2, mode, residual);
   after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
+  // The activation's input is kept for its backward: fc2's FP8 input is made again from it.
+  release_for_recast(mode, saved.fc2);
   return y;
 }
 
-Tensor MLP::backward(const Tensor& dy, const Saved& saved) {
+Tensor MLP::backward(const Tensor& dy, Saved& saved) {
   OCTET_CHECK(saved.hidden.defined(), "MLP::backward needs the Saved of a forward");
-  const Tensor dact = fc2_.backward(dy, saved.fc2);
+  refill_input(fc2_, saved.fc2, fusion_enabled(Fusion::activation_cast), /*rowwise=*/false,
+               [&](const ops::FusedQuantize* fused) {
+                 const Tensor act =
+                     fused ? Tensor() : activation_output(saved.hidden, fc2_.in_features());
+                 ops::activation_forward(activation_, saved.hidden, act, fused);
+                 return act;
+               });
+  Tensor dact = fc2_.backward(dy, saved.fc2);
+  saved.fc2 = Linear::Saved();
   // The activation's backward writes fc1's FP8 grad_output (and its bias gradient) directly.
   fp8::QuantizedTensor dhidden_q;
   const auto fused = fusion_enabled(Fusion::activation_grad_cast)
                          ? fc1_.fused_grad_output(saved.hidden.rows(), saved.fc1, dhidden_q)
                          : std::nullopt;
-  if (fused) {
-    ops::activation_backward(activation_, dact, saved.hidden, Tensor(), &*fused);
-    return fc1_.backward(dhidden_q, saved.fc1);
-  }
-  Tensor dhidden = empty_like(saved.hidden);
-  ops::activation_backward(activation_, dact, saved.hidden, dhidden);
-  return fc1_.backward(dhidden, saved.fc1);
+  const Tensor dhidden = fused ? Tensor() : empty_like(saved.hidden);
+  ops::activation_backward(activation_, dact, saved.hidden, dhidden, fused ? &*fused : nullptr);
+  dact = saved.hidden = Tensor();
+  Tensor dx = fused ? fc1_.backward(dhidden_q, saved.fc1) : fc1_.backward(dhidden, saved.fc1);
+  saved.fc1 = Linear::Saved();
+  return dx;
 }
 
 // ----------------------------------------------------------------------------
@@ -264,6 +322,8 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   // The residual adds ride in proj's and fc2's GEMM epilogues: r = x + attn(h1), y = r + mlp(h2).
   saved.residual = attn_.forward(h1, saved.batch, saved.seq, saved.attn, mode, observer,
                                  /*residual=*/x);
+  // qkv's and fc1's FP8 inputs are made again in backward from the norms' kept inputs.
+  release_for_recast(mode, saved.attn.qkv);
   if (moe_) {  // the experts' inputs are the dispatched rows: norm2 writes no FP8 copy
     const Tensor h2 = norm2_.forward(saved.residual, saved.norm2);
     Tensor y = moe_->forward(h2, saved.moe, mode, /*residual=*/saved.residual);
@@ -276,6 +336,7 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr,
                                    !fused_fc1 || observed);
   Tensor y = mlp_->forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);
+  release_for_recast(mode, saved.mlp.fc1);
   saved.complete = true;
   return y;
 }
@@ -324,10 +385,19 @@ Tensor TransformerBlock::backward(const Tensor& dy, Saved& saved, float aux_loss
       dy.defined() && dy.shape() == saved.input.shape() && dy.dtype() == saved.input.dtype(),
       "TransformerBlock::backward expects dy like its input ", saved.input.describe(), ", got ",
       dy.defined() ? dy.describe() : "none");
-  // y = r + mlp(norm2(r)), r = x + attn(norm1(x)): the residual paths add dy through.
-  const Tensor dh2 =
-      moe_ ? moe_->backward(dy, saved.moe, aux_loss_scale) : mlp_->backward(dy, saved.mlp);
+  // y = r + mlp(norm2(r)), r = x + attn(norm1(x)): the residual paths add dy through. Each part
+  // of the record is freed after its last use.
+  Tensor dh2;
+  if (moe_) {
+    dh2 = moe_->backward(dy, saved.moe, aux_loss_scale);
+  } else {
+    refill_norm_output(norm2_, saved.residual, mlp_->fc1(), saved.mlp.fc1);
+    dh2 = mlp_->backward(dy, saved.mlp);
+  }
   const Tensor dr = norm2_.backward(dh2, saved.norm2, /*residual=*/dy);
+  dh2 = saved.residual = Tensor();
+  saved.norm2 = Norm::Saved();
+  refill_norm_output(norm1_, saved.input, attn_.qkv(), saved.attn.qkv);
   const Tensor dh1 = attn_.backward(dr, saved.attn);
   Tensor dx = norm1_.backward(dh1, saved.norm1, /*residual=*/dr);
   saved = Saved();

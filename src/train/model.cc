@@ -467,16 +467,18 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   m.with_autocast(m.registry, [&] {
     const Tensor x = m.trunk(ids_d, batch, seq, nn::ForwardMode::normal, saved);
     xf = m.final_norm.forward(x, norm_saved);
-    const Tensor logits = m.head_forward(xf);
-    dlogits = Tensor::empty(logits.shape(), logits.dtype(), m.device);
-    ops::cross_entropy(logits, targets_d, losses, dlogits, scale);
+    // The gradient overwrites the logits, its last use (cross_entropy reads a row before
+    // writing it): one [rows, vocab] buffer at the step's peak instead of two.
+    dlogits = m.head_forward(xf);
+    ops::cross_entropy(dlogits, targets_d, losses, dlogits, scale);
   });
 
   const bool measure = m.collect_stats && m.fp8;
   if (measure) m.measure_gradients(true);
   Tensor dx = m.head_backward(dlogits, xf);
-  dlogits = Tensor();
+  dlogits = xf = Tensor();
   dx = m.final_norm.backward(dx, norm_saved);
+  norm_saved = nn::Norm::Saved();
   for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l], grad_scale);
   ops::embedding_backward(ids_d, dx, seq, m.grad_wte, m.grad_wpe);
   if (measure) m.measure_gradients(false);
@@ -595,7 +597,7 @@ std::vector<ParamCast> GPT::next_casts() {
     if (e.weight_of != nullptr) e.weight_of->prepare_next_cast();
   std::vector<ParamCast> casts(entries.size());
   Impl& m = *impl_;
-  m.next_head_cast = Tensor();
+  m.head_cast = m.next_head_cast = Tensor();  // as Linear::prepare_next_cast: read no more
   for (size_t i = 0; i < entries.size(); ++i) {
     if (m.act != DType::f32 && entries[i].value.raw_data() == m.head_weight().raw_data()) {
       m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.device);

@@ -1,6 +1,7 @@
 // Transformer modules: block gradients against central differences, the fused residual adds
 // against separate ones, activation recompute bitwise equal to a plain run for every precision
-// with one FP8 update per pass, inference forwards that leave the FP8 state alone, and the Linear
+// with one FP8 update per pass, what an FP8 training forward keeps (no Linear input, recast in
+// backward to the same bits), inference forwards that leave the FP8 state alone, and the Linear
 // observer.
 #include "octet/nn/transformer.h"
 
@@ -11,10 +12,12 @@
 #include <functional>
 #include <optional>
 #include <random>
+#include <set>
 #include <tuple>
 
 #include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
+#include "octet/nn/fusion.h"
 #include "octet/ops/activation.h"
 #include "test_util.h"
 
@@ -267,6 +270,19 @@ BlockRun run_block(const Device& device, bool llama, const BlockPrecision& p, bo
   return run;
 }
 
+/// Every output, gradient and FP8 state tensor of `b` bitwise those of `a`.
+void expect_same_run(const BlockRun& a, const BlockRun& b) {
+  ASSERT_EQ(a.outputs.size(), b.outputs.size());
+  for (size_t i = 0; i < a.outputs.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(a.outputs[i], b.outputs[i]))
+        << (i % 2 ? "dx" : "y") << " of microbatch " << i / 2;
+  for (size_t i = 0; i < a.grads.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(a.grads[i], b.grads[i])) << "gradient " << i;
+  ASSERT_EQ(a.states.size(), b.states.size());
+  for (size_t i = 0; i < a.states.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(a.states[i], b.states[i])) << "FP8 state tensor " << i;
+}
+
 using RecomputeParam = std::tuple<Device, bool, BlockPrecision>;
 class TransformerBlockRecomputeTest : public ::testing::TestWithParam<RecomputeParam> {};
 
@@ -277,15 +293,7 @@ TEST_P(TransformerBlockRecomputeTest, GradientsAreBitwiseEqualAndEachPassUpdates
   SCOPED_TRACE("seed " + std::to_string(seed));
   const BlockRun plain = run_block(device, llama, precision, false, seed);
   const BlockRun recomputed = run_block(device, llama, precision, true, seed);
-  ASSERT_EQ(plain.outputs.size(), recomputed.outputs.size());
-  for (size_t i = 0; i < plain.outputs.size(); ++i)
-    EXPECT_TRUE(bitwise_equal(plain.outputs[i], recomputed.outputs[i]))
-        << (i % 2 ? "dx" : "y") << " of microbatch " << i / 2;
-  for (size_t i = 0; i < plain.grads.size(); ++i)
-    EXPECT_TRUE(bitwise_equal(plain.grads[i], recomputed.grads[i])) << "gradient " << i;
-  ASSERT_EQ(plain.states.size(), recomputed.states.size());
-  for (size_t i = 0; i < plain.states.size(); ++i)
-    EXPECT_TRUE(bitwise_equal(plain.states[i], recomputed.states[i])) << "FP8 state tensor " << i;
+  expect_same_run(plain, recomputed);
   const int64_t expected = precision.recipe ? kMicrobatches : 0;
   for (const BlockRun* run : {&plain, &recomputed}) {
     EXPECT_EQ(run->forward_updates, expected);
@@ -303,6 +311,25 @@ TEST_P(TransformerBlockRecomputeTest, GradientsAreBitwiseEqualAndEachPassUpdates
   EXPECT_TRUE(nonzero);
 }
 
+// Backward's recast of the FP8 Linear inputs (Fusion::input_recast) gives the bits of inputs kept
+// by the forward, under every recipe, with the fused casts on and off.
+TEST_P(TransformerBlockRecomputeTest, RecastInputsAreBitwiseTheKeptOnes) {
+  const auto& [device, llama, precision] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  for (const bool fused : {true, false}) {
+    SCOPED_TRACE(fused ? "fused casts" : "unfused casts");
+    std::vector<Fusion> off;
+    if (!fused) off = {Fusion::norm_cast, Fusion::activation_cast, Fusion::activation_grad_cast};
+    const UnfusedScope scope(off);
+    const BlockRun recast = run_block(device, llama, precision, false, seed);
+    off.push_back(Fusion::input_recast);
+    const UnfusedScope keep(off);
+    expect_same_run(recast, run_block(device, llama, precision, false, seed));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Precisions, TransformerBlockRecomputeTest,
                          ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
                                             ::testing::Bool(),
@@ -312,6 +339,72 @@ INSTANTIATE_TEST_SUITE_P(Precisions, TransformerBlockRecomputeTest,
                                   (std::get<1>(info.param) ? "_llama_" : "_gpt2_") +
                                   std::get<2>(info.param).name;
                          });
+
+// ----------------------------------------------------------------------------
+// What a training forward keeps
+
+/// Bytes of the activations a block's record holds, each buffer once (the Linear snapshots,
+/// which share the layer's weight cast and FP8 scales, are not activations).
+int64_t record_bytes(const TransformerBlock::Saved& saved) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  const auto add = [&](const Tensor& t) {
+    if (t.defined() && seen.insert(t.raw_data()).second) bytes += static_cast<int64_t>(t.nbytes());
+  };
+  for (const Tensor* t : {&saved.input, &saved.residual, &saved.attn.qkv_act, &saved.attn.out,
+                          &saved.attn.lse, &saved.mlp.hidden})
+    add(*t);
+  for (const Norm::Saved* n : {&saved.norm1, &saved.norm2}) {
+    add(n->input);
+    add(n->mean);
+    add(n->rstd);
+  }
+  for (const Linear::Saved* l :
+       {&saved.attn.qkv, &saved.attn.proj, &saved.mlp.fc1, &saved.mlp.fc2}) {
+    add(l->input);
+    for (const Tensor* t :
+         {&l->input_q.data, &l->input_q.scale_inv, &l->input_q.data_t, &l->input_q.scale_inv_t})
+      add(*t);
+  }
+  return bytes;
+}
+
+// The table of docs/PERFORMANCE.md ("FP8 activation memory") at GPT-2's ffn = 4 dim, in bytes per
+// token and unit of width: bf16 32 (x 2, qkv's input 2, q/k/v 6, the attention's output 2, the
+// residual 2, fc1's input 2, the activation's input 8 and output 8); FP8 with each Linear's
+// transposed FP8 input kept 27 (qkv's, fc1's and fc2's 1 + 1 + 4 instead of 2 + 2 + 8, and
+// proj's 1 beside the attention's output); FP8 with all four recast in backward 20.
+TEST(TransformerBlockMemory, AnFp8TrainingForwardKeepsNoLinearInput) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  BlockConfig config = block_config(false);
+  config.ffn = 4 * kDim;
+  const Tensor x = testing::random_tensor({kRows, kDim}, DType::bf16, seed + 1, 2.0f);
+  const auto kept = [&](const std::optional<Recipe>& recipe, bool recast) {
+    const UnfusedScope scope(recast ? std::vector<Fusion>{} : std::vector{Fusion::input_recast});
+    TransformerBlock block(config, Device::cpu(), seed, DType::bf16, false);
+    AmaxRegistry registry;
+    TransformerBlock::Saved saved;
+    if (recipe) {
+      Fp8Autocast autocast(*recipe, registry);
+      block.forward(x, kBatch, kSeq, saved);
+    } else {
+      block.forward(x, kBatch, kSeq, saved);
+    }
+    if (recipe && recast) {
+      for (const Linear::Saved* l :
+           {&saved.attn.qkv, &saved.attn.proj, &saved.mlp.fc1, &saved.mlp.fc2})
+        EXPECT_FALSE(l->filled()) << "neither an FP8 nor a high-precision input";
+    }
+    return record_bytes(saved);
+  };
+  // Per token: each norm's mean and rstd, the attention's log-sum-exp per head (f32).
+  const int64_t stats = 2 * 2 * 4 + kHeads * 4;
+  constexpr int64_t kScaleInv = 4;  // a kept per-tensor FP8 input's f32 scale_inv
+  EXPECT_EQ(kept(std::nullopt, true), kRows * (32 * kDim + stats));
+  EXPECT_EQ(kept(Recipe::delayed(), false), kRows * (27 * kDim + stats) + 4 * kScaleInv);
+  EXPECT_EQ(kept(Recipe::delayed(), true), kRows * (20 * kDim + stats));
+}
 
 // ----------------------------------------------------------------------------
 // Inference: the current scales, no state change

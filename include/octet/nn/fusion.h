@@ -1,7 +1,8 @@
-// The fused FP8 casts, each switchable at run time. Every fusion computes bitwise what its
-// unfused path computes (tests/train/fusion_test.cc trains with each one off and compares the
-// checkpoints byte for byte); the switches exist to bisect a numerical difference to one of
-// them, from a test, the API, `octet train --unfuse LIST` or the environment (OCTET_UNFUSE).
+// The fused FP8 casts, and backward's recast of the FP8 Linear inputs, each switchable at run
+// time. Every one computes bitwise what its switched-off path computes
+// (tests/train/fusion_test.cc trains with each one off and compares the checkpoints byte for
+// byte); the switches exist to bisect a numerical difference to one of them, from a test, the
+// API, `octet train --unfuse LIST` or the environment (OCTET_UNFUSE).
 #pragma once
 
 #include <cstdint>
@@ -26,11 +27,16 @@ enum class Fusion : uint8_t {
   /// Delayed scaling: an MoE layer's scaled activation writes FC2's FP8 input (both copies), each
   /// expert's rows with that expert's scale.
   moe_activation_cast,
+  /// Every FP8 recipe: a block's training forward keeps no FP8 input of its Linear layers, and
+  /// backward casts each again from the tensor it was made of, kept for another backward (the
+  /// norms' inputs, the attention's output, the activation's input). Off, the forward keeps
+  /// them: fewer cast passes, more memory.
+  input_recast,
 };
-inline constexpr int kFusionCount = 6;
+inline constexpr int kFusionCount = 7;
 
 /// "norm-cast", "activation-cast", "activation-grad-cast", "bias-grad", "optimizer-cast",
-/// "moe-activation-cast".
+/// "moe-activation-cast", "input-recast".
 std::string_view fusion_name(Fusion fusion);
 /// Every fusion, in declaration order.
 std::vector<Fusion> all_fusions();

@@ -103,6 +103,9 @@ class Linear {
       input_q.data = Tensor();
       input_q.scale_inv = Tensor();
     }
+    /// Frees the FP8 input altogether (a high-precision input stays), for a caller that keeps
+    /// what the input is made from and rebuilds it before backward (Linear::refill_input).
+    void release_fp8_input() { input_q = fp8::QuantizedTensor(); }
   };
 
   /// Weight [out, in] uniform in +-1/sqrt(in) and bias [out] likewise, drawn from `seed`
@@ -137,6 +140,16 @@ class Linear {
                                                 ForwardMode mode = ForwardMode::normal);
   /// Whether fused_input(..., saved, mode) would return a target now (it has no side effects).
   bool takes_fused_input(const Saved& saved, ForwardMode mode = ForwardMode::normal) const;
+  /// Rebuilding the FP8 input that Saved::release_fp8_input freed, for backward: returns the
+  /// target that quantizes it exactly as the training forward did (the snapshot's recipe and
+  /// input scale; no amax recorded, no FP8 state touched):
+  ///   auto target = linear.refill_input(saved);
+  ///   ops::quantize(x, *target.out, target.args);  // or x's producer writes it (fused)
+  /// where x is the forward's input, or its producer run again; a fused producer only where
+  /// takes_fused_input(saved, ForwardMode::recompute). Only the transposed copy, the one backward
+  /// reads, unless `rowwise` (for a producer that writes both in one pass; release_forward_only
+  /// then frees the row-wise one). The target points into `saved`.
+  ops::FusedQuantize refill_input(Saved& saved, bool rowwise = false);
   /// forward() writing into `y` (the output's shape and dtype, on this layer's device), for
   /// callers that own the output buffer (nn::GroupedLinear: a row range of one expert-contiguous
   /// output).
@@ -188,7 +201,8 @@ class Linear {
   /// optimizer can reproduce (FP8 delayed per-tensor, or a dense bf16/f32 copy); returns what
   /// the optimizer must write (all empty otherwise). The caller writes every prepared field, then
   /// calls on_weights_updated(PreparedCast::written); a next forward in another format casts
-  /// again.
+  /// again. This step's cast is dropped at once (its last reader was the backward), so the
+  /// optimizer never holds two.
   const NextCast& prepare_next_cast();
   /// GEMM batching: while `queue` is set, forward and backward append their GEMMs to *queue
   /// (after every cast they read is enqueued) instead of running them, and the caller runs the

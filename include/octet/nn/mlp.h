@@ -38,7 +38,10 @@ class MLP {
   /// epilogue; recompute as Attention::forward.
   Tensor forward(const Tensor& x, Saved& saved, ForwardMode mode = ForwardMode::normal,
                  const LinearObserver* observer = nullptr, const Tensor& residual = Tensor());
-  Tensor backward(const Tensor& dy, const Saved& saved);
+  /// dx from dy; frees each part of `saved` after its last use (fc2's FP8 input, released by a
+  /// training forward, is made again from saved.hidden first). A training forward leaves fc1's
+  /// FP8 input in place; the block releases it and rebuilds it from its norm.
+  Tensor backward(const Tensor& dy, Saved& saved);
 
   Linear& fc1() { return fc1_; }
   Linear& fc2() { return fc2_; }

@@ -82,8 +82,10 @@ class Attention {
   Tensor forward(const Tensor& x, int64_t batch, int64_t seq, Saved& saved,
                  ForwardMode mode = ForwardMode::normal, const LinearObserver* observer = nullptr,
                  const Tensor& residual = Tensor());
-  /// dx from dy; accumulates the Linear gradients.
-  Tensor backward(const Tensor& dy, const Saved& saved);
+  /// dx from dy; accumulates the Linear gradients. Frees each part of `saved` after its last use.
+  /// proj's FP8 input, which a training forward releases, is made again from saved.out first;
+  /// qkv's record is used as it is (the block releases and rebuilds its FP8 input).
+  Tensor backward(const Tensor& dy, Saved& saved);
 
   Linear& qkv() { return qkv_; }
   Linear& proj() { return proj_; }
@@ -102,6 +104,12 @@ class Attention {
 /// Pre-norm block: x = x + attn(norm1(x)); x = x + mlp(norm2(x)), where mlp is a dense MLP or,
 /// when config.moe is enabled, an nn::MoE. The residual adds run in the epilogue of the GEMM
 /// before them (proj's and the dense fc2's; the MoE adds its residual after its combine).
+///
+/// Under FP8, a training forward keeps no FP8 input of the block's Linear layers: each is the
+/// cast of a tensor the record keeps anyway for another backward (norm1's input x for qkv, the
+/// attention's output for proj, norm2's input for fc1, the activation's input for fc2), so
+/// backward makes it again just before that Linear's backward, with the forward's scales and
+/// recording no amax: the same bytes, for one more cast pass each.
 ///
 /// With recompute, forward keeps only the block's input and each Linear's Snapshot (the scales
 /// and weight cast in use); backward first rebuilds the full record with ForwardMode::recompute,

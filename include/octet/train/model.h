@@ -128,7 +128,7 @@ class GPT {
   /// For each of parameters(), in its order, what the optimizer writes with its update so that
   /// the next forward casts nothing (nn::Linear::prepare_next_cast: a Linear weight's FP8 cast or
   /// bf16 copy, a Linear bias's bf16 copy; empty for everything else); call after the step's
-  /// last backward.
+  /// last backward: this step's casts are dropped.
   std::vector<ParamCast> next_casts();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
   /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_casts().
