@@ -84,6 +84,10 @@ Tensor in_dtype(const Tensor& x, DType dtype) {
   return out;
 }
 
+/// Whether a GEMM with this cast may write bf16 (and so read WeightCast::bias_bf16): an FP8 GEMM
+/// writes its input's dtype, a dense one its compute dtype; an f32 layer never does.
+bool may_output_bf16(const WeightCast::Key& key) { return key.fp8 || key.dtype == DType::bf16; }
+
 }  // namespace
 
 void Linear::run_gemm(const ops::GemmOperand& a, const ops::GemmOperand& b, const Tensor& d,
@@ -194,11 +198,23 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
   } else {
     cast->dense = in_dtype(weight_, key.dtype);
   }
-  if (bias_.defined()) cast->bias_bf16 = in_dtype(bias_, DType::bf16);
+  if (bias_.defined() && may_output_bf16(key)) cast->bias_bf16 = in_dtype(bias_, DType::bf16);
   if (inference) return cast;
   ++weight_casts_;
   weight_cast_ = std::move(cast);
   return weight_cast_;
+}
+
+int64_t Linear::weight_cast_bytes() const {
+  const auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  int64_t total = 0;
+  for (const WeightCast* c : {weight_cast_.get(), static_cast<const WeightCast*>(next_cast_.get())}) {
+    if (c == nullptr) continue;
+    total += bytes(c->q.data) + bytes(c->q.scale_inv) + bytes(c->q.data_t) +
+             bytes(c->q.scale_inv_t) + bytes(c->scale) + bytes(c->bias_bf16);
+    if (c->dense.defined() && c->dense.raw_data() != weight_.raw_data()) total += bytes(c->dense);
+  }
+  return total;
 }
 
 const Linear::NextCast& Linear::prepare_next_cast() {
@@ -228,7 +244,7 @@ const Linear::NextCast& Linear::prepare_next_cast() {
   } else {
     cast->dense = weight_;  // an f32 layer computes with the master itself
   }
-  if (bias_.defined()) {
+  if (bias_.defined() && may_output_bf16(key)) {
     cast->bias_bf16 = Tensor::empty({out_}, DType::bf16, device_);
     next_targets_.bias_bf16 = cast->bias_bf16;
   }

@@ -219,4 +219,13 @@ double gemm_planning_seconds() {
 #endif
 }
 
+size_t gemm_workspace_bytes(const Device& device) {
+#if OCTET_WITH_CUDA
+  return device.is_cuda() ? cuda::cublaslt_device_bytes(device) : 0;
+#else
+  (void)device;
+  return 0;
+#endif
+}
+
 }  // namespace octet::ops

@@ -514,7 +514,9 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           loss,
                           {.weights = gib(values),
                            .gradients = gib(grads),
-                           .optimizer = gib(s.adam_m) + gib(s.adam_v)},
+                           .optimizer = gib(s.adam_m) + gib(s.adam_v),
+                           .weight_casts = static_cast<double>(s.model->weight_cast_bytes()) / (1 << 30),
+                           .workspace = static_cast<double>(ops::gemm_workspace_bytes(device)) / (1 << 30)},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing)};
   print_train_bench(result);

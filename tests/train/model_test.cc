@@ -476,6 +476,36 @@ void expect_fractions(const nn::CastStats& c) {
   EXPECT_LE(c.underflow_fraction, 1.0);
 }
 
+// The weight casts the GEMMs read, held from a training forward until the optimizer's next casts
+// replace them (bench train's "weight_casts"): none in fp32, whose GEMMs read the masters; in
+// bf16 a bf16 copy of every Linear weight and bias and of the head; under per-tensor FP8 two FP8
+// copies of every Linear weight (row-wise and transposed, 1 byte a weight each) with their f32
+// scale and two scale_invs, the bf16 biases (for the bf16-output GEMMs' fused bias), and the
+// head's bf16 copy (the head is a dense GEMM).
+TEST(GPTWeightCasts, BytesAreTheCopiesEachPrecisionMakes) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ModelConfig c = micro(Arch::gpt2);
+  const int64_t d = c.dim, f = c.ffn;
+  const int64_t weights = c.layers * (3 * d * d + d * d + d * f + f * d);
+  const int64_t biases = c.layers * (3 * d + d + f + d);
+  const int64_t head = c.vocab * d;  // tied to the embedding
+  const int64_t fp8_scalars = c.layers * 4 * 3 * static_cast<int64_t>(sizeof(float));
+  const std::pair<const char*, int64_t> cases[] = {
+      {"fp32", 0},
+      {"bf16", 2 * (weights + biases + head)},
+      {"fp8-delayed", 2 * weights + fp8_scalars + 2 * (biases + head)},
+  };
+  for (const auto& [precision, expected] : cases) {
+    SCOPED_TRACE(precision);
+    GPT model(c, Precision::from_name(precision), Device::cpu(), seed, false);
+    EXPECT_EQ(model.weight_cast_bytes(), 0) << "nothing is cast before the first forward";
+    model.train_microbatch(random_tokens(kRows, 32, seed + 1), random_tokens(kRows, 32, seed + 2),
+                           kBatch, kSeq, 1.0f);
+    EXPECT_EQ(model.weight_cast_bytes(), expected);
+  }
+}
+
 class GPTFp8StatsTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GPTFp8StatsTest, StatisticsDescribeEachModuleCastWhenAskedFor) {

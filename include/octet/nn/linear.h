@@ -237,6 +237,10 @@ class Linear {
   /// How many times the weight was prepared for a compute format (an FP8 cast, a BF16 cast, or
   /// adopting the FP32 master): once per optimizer step when microbatches share one format.
   int64_t weight_casts() const { return weight_casts_; }
+  /// Bytes of the weight casts held now: the FP8 copies with their scales, or the bf16 copy, and
+  /// the bf16 bias; the one in use and a prepared next one. 0 where the compute weight is the
+  /// f32 master itself.
+  int64_t weight_cast_bytes() const;
 
  private:
   /// The weight-gradient GEMM's arguments: beta 0 for the write that zero_grad(on_next_write)

@@ -51,5 +51,8 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
 uint64_t gemm_plans_made();
 /// Host seconds spent making those plans (0 without CUDA).
 double gemm_planning_seconds();
+/// Device bytes the GEMM backend holds on `device` for its own use (cuBLASLt's workspace, made
+/// at the device's first GEMM and kept for the process); 0 on the CPU.
+size_t gemm_workspace_bytes(const Device& device);
 
 }  // namespace octet::ops

@@ -29,12 +29,14 @@ void print_arithmetic_skill(GPT& model);
 /// stderr.
 void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, double step_ms);
 
-/// Peak memory of a training run by kind, in GiB. weights, gradients and optimizer are the
-/// bytes of those tensors (FP32 masters, their gradients, the AdamW moments), held for the whole
-/// run; the rest of the peak is activations, FP8 and BF16 copies, temporaries and the GEMM
-/// workspace.
+/// Peak memory of a training run by kind, in GiB, each held for the whole run: weights,
+/// gradients and optimizer are the bytes of those tensors (FP32 masters, their gradients, the
+/// AdamW moments); weight_casts the FP8 or BF16 copies of the weights the GEMMs read
+/// (GPT::weight_cast_bytes); workspace the GEMM backend's own (ops::gemm_workspace_bytes). The
+/// rest of the peak, printed as "activations", is what the step holds at that moment: the
+/// blocks' records for backward, the logits, and temporaries.
 struct MemoryByKind {
-  double weights = 0, gradients = 0, optimizer = 0;
+  double weights = 0, gradients = 0, optimizer = 0, weight_casts = 0, workspace = 0;
 };
 
 /// What `octet bench train` measured, printed as its one JSON line.

@@ -133,6 +133,10 @@ class GPT {
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
   /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_casts().
   void on_weights_updated(nn::PreparedCast prepared = nn::PreparedCast::dropped);
+  /// Bytes of the weight casts held now: every Linear's (nn::Linear::weight_cast_bytes) and the
+  /// head's copy in the activation dtype. Between steps these are the casts the next forward
+  /// uses, so the same bytes are held at a step's peak.
+  int64_t weight_cast_bytes();
 
   /// Testing aid (fault injection): called with block `layer`'s output [batch*seq, dim] in every
   /// training forward, before the next block reads it. Empty: none (the default).

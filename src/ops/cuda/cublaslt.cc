@@ -16,13 +16,27 @@
 
 namespace octet::ops::cuda {
 
+namespace {
+
+/// Every device's cuBLASLt state (null until its first GEMM), under the mutex.
+struct CublasLtStates {
+  std::mutex mutex;
+  std::vector<CublasLt*> devices;
+};
+CublasLtStates& cublaslt_states() {
+  static CublasLtStates states;
+  return states;
+}
+
+}  // namespace
+
 // Created lazily per device and never destroyed: the handle and the workspace live as long as
 // the process, like octet's streams (destroying them at exit would race with static tensors).
 const CublasLt& cublaslt(const Device& device) {
-  static std::mutex mutex;
-  static std::vector<CublasLt*> devices;
+  CublasLtStates& states = cublaslt_states();
+  std::vector<CublasLt*>& devices = states.devices;
   OCTET_CHECK(device.is_cuda(), "cuBLASLt needs a CUDA device, got ", device);
-  std::lock_guard lock(mutex);
+  std::lock_guard lock(states.mutex);
   if (devices.empty()) devices.resize(std::max(cuda_device_count(), 1), nullptr);
   check_device_available(device);
   CublasLt*& slot = devices[device.index];
@@ -42,6 +56,15 @@ const CublasLt& cublaslt(const Device& device) {
     slot = state.release();
   }
   return *slot;
+}
+
+size_t cublaslt_device_bytes(const Device& device) {
+  CublasLtStates& states = cublaslt_states();
+  std::lock_guard lock(states.mutex);
+  const bool made = device.is_cuda() && device.index >= 0 &&
+                    static_cast<size_t>(device.index) < states.devices.size() &&
+                    states.devices[device.index] != nullptr;
+  return made ? kCublasWorkspaceBytes + kCublasWorkspaceAlignment : 0;
 }
 
 // ----------------------------------------------------------------------------

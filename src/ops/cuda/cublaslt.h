@@ -42,6 +42,9 @@ struct CublasLt {
 /// The device's cuBLASLt handle and workspace, created on first use and kept for the process.
 /// All GEMMs of a device run on octet's one stream for it, so they may share the workspace.
 const CublasLt& cublaslt(const Device& device);
+/// Device bytes the device's cuBLASLt state holds (its workspace with the alignment slack); 0
+/// before its first GEMM.
+size_t cublaslt_device_bytes(const Device& device);
 
 /// Entries in the GEMM algorithm cache (one per device, shape, dtypes, layouts, ... key).
 size_t gemm_cache_size();
