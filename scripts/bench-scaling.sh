@@ -31,14 +31,16 @@ done
 python3 - "$results" >"$OUT/scaling.md" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
-print("| model | seq x batch | precision | tokens/s | peak GiB | weights, grads, moments, casts, workspace | activations |")
+print("| model | seq x batch | precision | tokens/s | peak GiB "
+      "| weights, grads, moments, casts, workspace | activations |")
 print("|---|---|---|---|---|---|---|")
 for r in runs:
     if "error" in r:
         print(f"| {r['model']} | {r['seq']} | {r['precision']} | failed: {r['error'][:80]} | | | |")
         continue
     k = r.get("peak_by_kind_gib", {})
-    static = sum(k.get(kind, 0) for kind in ("weights", "gradients", "optimizer", "weight_casts", "workspace"))
+    held = ("weights", "gradients", "optimizer", "weight_casts", "workspace")
+    static = sum(k.get(kind, 0) for kind in held)
     print(f"| {r['model']} | {r['seq']} x {r['batch']} | {r['precision']} | {r['tokens_per_s']:,.0f} "
           f"| {r['peak_gib']:.2f} | {static:.2f} | {k.get('activations', 0):.2f} |")
 PY

@@ -206,9 +206,12 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
 }
 
 int64_t Linear::weight_cast_bytes() const {
-  const auto bytes = [](const Tensor& t) { return t.defined() ? static_cast<int64_t>(t.nbytes()) : 0; };
+  const auto bytes = [](const Tensor& t) {
+    return t.defined() ? static_cast<int64_t>(t.nbytes()) : int64_t{0};
+  };
   int64_t total = 0;
-  for (const WeightCast* c : {weight_cast_.get(), static_cast<const WeightCast*>(next_cast_.get())}) {
+  const WeightCast* next = next_cast_.get();
+  for (const WeightCast* c : {weight_cast_.get(), next}) {
     if (c == nullptr) continue;
     total += bytes(c->q.data) + bytes(c->q.scale_inv) + bytes(c->q.data_t) +
              bytes(c->q.scale_inv_t) + bytes(c->scale) + bytes(c->bias_bf16);

@@ -616,7 +616,8 @@ int64_t GPT::weight_cast_bytes() {
   Impl& m = *impl_;
   int64_t total = 0;
   for (size_t l = 0; l < m.blocks.size(); ++l)
-    for (const NamedLinear& n : block_linears(m.blocks[l], l)) total += n.linear->weight_cast_bytes();
+    for (const NamedLinear& n : block_linears(m.blocks[l], l))
+      total += n.linear->weight_cast_bytes();
   for (const Tensor* t : {&m.head_cast, &m.next_head_cast})
     if (t->defined() && t->raw_data() != m.head_weight().raw_data())
       total += static_cast<int64_t>(t->nbytes());

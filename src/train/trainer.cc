@@ -490,10 +490,11 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     profiler::set_enabled(false);
     print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
   }
-  const auto gib = [](const std::vector<Tensor>& tensors) {
+  const auto gib_of = [](auto bytes) { return static_cast<double>(bytes) / (1 << 30); };
+  const auto gib = [&](const std::vector<Tensor>& tensors) {
     double bytes = 0;
     for (const Tensor& t : tensors) bytes += static_cast<double>(t.nbytes());
-    return bytes / (1 << 30);
+    return gib_of(bytes);
   };
   std::vector<Tensor> values, grads;
   for (const Parameter& p : s.params) {
@@ -515,8 +516,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           {.weights = gib(values),
                            .gradients = gib(grads),
                            .optimizer = gib(s.adam_m) + gib(s.adam_v),
-                           .weight_casts = static_cast<double>(s.model->weight_cast_bytes()) / (1 << 30),
-                           .workspace = static_cast<double>(ops::gemm_workspace_bytes(device)) / (1 << 30)},
+                           .weight_casts = gib_of(s.model->weight_cast_bytes()),
+                           .workspace = gib_of(ops::gemm_workspace_bytes(device))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing)};
   print_train_bench(result);
