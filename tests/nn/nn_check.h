@@ -1,5 +1,5 @@
-// Helpers shared by the nn tests: readable Recipe parameters, the tensors of an FP8 state, and the
-// inputs of the field-shape repeatability runs.
+// Helpers shared by the nn tests: every FP8 recipe and readable Recipe parameters, the tensors of
+// an FP8 state, and the inputs of the field-shape repeatability runs.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +17,12 @@ inline void PrintTo(const Recipe& recipe, std::ostream* out) { *out << recipe.na
 }  // namespace octet::fp8
 
 namespace octet::testing {
+
+/// The four FP8 recipes, for suites that run under each.
+inline std::vector<fp8::Recipe> all_recipes() {
+  return {fp8::Recipe::delayed(), fp8::Recipe::current(), fp8::Recipe::block(),
+          fp8::Recipe::mxfp8()};
+}
 
 /// Every tensor of an FP8 state, for bitwise comparison of two runs.
 inline std::vector<Tensor> state_tensors(const nn::FP8State& state) {
