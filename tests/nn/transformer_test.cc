@@ -25,6 +25,7 @@ namespace octet::nn {
 namespace {
 
 using fp8::Recipe;
+using testing::all_recipes;
 using testing::bitwise_equal;
 using testing::device_name;
 using testing::fresh_seed;
@@ -408,10 +409,6 @@ TEST(TransformerBlockMemory, AnFp8TrainingForwardKeepsNoLinearInput) {
 
 // ----------------------------------------------------------------------------
 // Inference: the current scales, no state change
-
-std::vector<Recipe> all_recipes() {
-  return {Recipe::delayed(), Recipe::current(), Recipe::block(), Recipe::mxfp8()};
-}
 
 using RecipeParam = std::tuple<Device, Recipe>;
 class TransformerBlockInferenceTest : public ::testing::TestWithParam<RecipeParam> {};
