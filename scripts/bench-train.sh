@@ -4,7 +4,9 @@
 # the same GPT-2 shapes. One JSON line per run into $OUT/train_bench.jsonl.
 #   scripts/bench-train.sh [BUILD_DIR]      (after scripts/gpu-check.sh build)
 # PEER_MODE=compile|eager|both (default both) picks the PyTorch peer's modes; MODELS (default
-# "gpt2-124m gpt2-1.5b") the sizes.
+# "gpt2-124m gpt2-1.5b") the sizes; OCTET_RUNS (default "fp8-delayed bf16") octet's runs, each a
+# precision optionally followed by octet flags joined with '+', e.g.
+# "fp8-delayed fp8-delayed+--unfuse+input-recast bf16".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${1:-build-gpu}"
@@ -21,8 +23,9 @@ run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to 
   fi
 }
 for model in ${MODELS:-gpt2-124m gpt2-1.5b}; do
-  for precision in fp8-delayed bf16; do
-    run 150 "$BUILD_DIR/octet" bench train --model "$model" --precision "$precision" \
+  for octet_run in ${OCTET_RUNS:-fp8-delayed bf16}; do
+    read -r -a flags <<<"${octet_run//+/ }"
+    run 150 "$BUILD_DIR/octet" bench train --model "$model" --precision "${flags[@]}" \
       --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup-steps 3
   done
   run 240 python3 bench/peers/gpt2_torch.py --model "$model" --batch 8 --seq 1024 --steps 10 \

@@ -519,7 +519,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                            .weight_casts = gib_of(s.model->weight_cast_bytes()),
                            .workspace = gib_of(ops::gemm_workspace_bytes(device))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
-                          1000.0 * (ops::gemm_planning_seconds() - planning_before_timing)};
+                          1000.0 * (ops::gemm_planning_seconds() - planning_before_timing),
+                          nn::disabled_fusions()};
   print_train_bench(result);
 }
 

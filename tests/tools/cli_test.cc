@@ -85,6 +85,9 @@ TEST(Cli, BenchTrainFp8PeakActivationsStayWellBelowBf16s) {
               kept.contains("peak_by_kind_gib"));
   EXPECT_LE(activations(fp8), kMaxFp8OverBf16 * activations(bf16)) << fp8 << "\n" << bf16;
   EXPECT_LT(activations(fp8), activations(kept)) << fp8 << "\n" << kept;
+  // The line says which fusions were off, so runs of one precision tell themselves apart.
+  EXPECT_EQ(fp8.at("unfused"), "none");
+  EXPECT_EQ(kept.at("unfused"), "input-recast");
   EXPECT_LT(fp8.at("peak_gib").get<double>(), bf16.at("peak_gib").get<double>());
 }
 

@@ -50,6 +50,8 @@ struct TrainBenchResult {
   /// query for a shape not seen before.
   int64_t timed_gemm_plans = 0;
   double timed_gemm_plan_ms = 0;  ///< the host time those queries took, in all timed steps
+  /// The fusions that were off (nn::disabled_fusions: --unfuse and OCTET_UNFUSE), or "none".
+  std::string unfused = "none";
 };
 void print_train_bench(const TrainBenchResult& r);
 
