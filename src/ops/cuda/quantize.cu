@@ -8,6 +8,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <type_traits>
 
@@ -32,6 +34,7 @@ struct DequantParams {
   int64_t rows, cols;
   const void* scale_inv;  ///< f32, or e8m0 bits when e8m0
   int64_t block_rows, block_cols, scale_cols;
+  int block_shift;  ///< log2(block_cols), for ScaleLookup::flat_blocks
   bool e8m0;
   bool vec;  ///< q and out aligned and cols % 16 == 0
 };
@@ -88,39 +91,103 @@ __global__ void __launch_bounds__(kFlatThreads)
   if (amax != nullptr) publish_amax<kFlatThreads>(m, amax, scratch);
 }
 
+/// Where a dequantize run finds its scale_inv.
+enum class ScaleLookup {
+  tensor,       ///< one for the whole tensor (per_tensor): read once per thread
+  flat_blocks,  ///< 1-row blocks tiling whole rows: block = flat index >> block_shift
+  general,      ///< any block grid: block = (r / block_rows) * scale_cols + c / block_cols
+};
+
+/// True when a byte of the word is an FP8 code the hardware decode may not give the reference's
+/// bits for: E4M3's NaN (S.1111.111), E5M2's inf and NaN (S.11111.xx). A per-byte compare without
+/// carries between bytes: the masked byte plus one step reaches 0x80 exactly when it is all ones.
+template <DType kFp8>
+__device__ __forceinline__ bool has_special_code(uint32_t w) {
+  if constexpr (kFp8 == DType::e4m3) {
+    return (((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) != 0;
+  } else {
+    return (((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u) != 0;
+  }
+}
+
+/// v[e] = decode(byte e of w) * scale_inv for a 16-byte run, bit-equal to the CPU's
+/// `decode(q) * scale_inv`. A run of ordinary codes under a finite scale_inv takes the hardware
+/// pair decode (cvt to f16x2: exact, every E4M3 and E5M2 value is an f16) and cannot make a NaN;
+/// a run holding a NaN or inf code, or under a non-finite scale_inv, takes the formula and
+/// mul_like_host's NaN bits. One branch per run, not per element.
+template <DType kFp8>
+__device__ __forceinline__ void decode_run(const uint32_t (&w)[4], float scale_inv, float* v) {
+  const bool special = has_special_code<kFp8>(w[0]) || has_special_code<kFp8>(w[1]) ||
+                       has_special_code<kFp8>(w[2]) || has_special_code<kFp8>(w[3]);
+  if (!special && isfinite(scale_inv)) {
+#pragma unroll
+    for (int k = 0; k < kRunElems / 2; ++k) {
+      const auto pair = static_cast<__nv_fp8x2_storage_t>(w[k / 2] >> (16 * (k % 2)));
+      const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, kFp8Interp<kFp8>)));
+      v[2 * k] = f.x * scale_inv;
+      v[2 * k + 1] = f.y * scale_inv;
+    }
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < kRunElems; ++e) {
+    const uint8_t q = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
+    v[e] = mul_like_host(fp8::decode_fp8(q, kFp8), scale_inv);
+  }
+}
+
 /// out = decode(q) * scale_inv of q's block, as f32 or bf16, over 16-element runs of rows (a run
 /// never straddles a block: block widths are multiples of 16). Reads 1 B + writes sizeof(TOut)
-/// per element with 16-byte accesses when aligned; a memory-bound map.
-template <typename TOut, DType kFp8>
+/// per element with 16-byte accesses when aligned; a memory-bound map. The tensor and flat_blocks
+/// lookups need p.vec (so run s starts at element 16 s) and skip the general form's 64-bit
+/// divisions; each thread loads two runs before it decodes either, to keep more bytes in flight.
+template <typename TOut, DType kFp8, ScaleLookup kLookup>
 __global__ void __launch_bounds__(kFlatThreads) dequantize_kernel(const DequantParams p) {
   const int64_t runs_per_row = (p.cols + kRunElems - 1) / kRunElems;
   const int64_t runs = p.rows * runs_per_row;
   TOut* out = static_cast<TOut*>(p.out);
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x; s < runs;
-       s += static_cast<int64_t>(gridDim.x) * kFlatThreads) {
-    const int64_t r = s / runs_per_row, c = (s % runs_per_row) * kRunElems;
-    const int64_t count = p.cols - c;
-    const int64_t block = (r / p.block_rows) * p.scale_cols + c / p.block_cols;
-    const float scale_inv = p.e8m0
-                                ? fp8::decode_e8m0(static_cast<const uint8_t*>(p.scale_inv)[block])
-                                : static_cast<const float*>(p.scale_inv)[block];
-    const int64_t i = r * p.cols + c;
-    uint32_t w[4] = {0, 0, 0, 0};
-    if (p.vec && count >= kRunElems) {
-      const uint4 u = *reinterpret_cast<const uint4*>(p.q + i);
-      w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
-    } else {
+  const auto scale_of = [&](int64_t block) {
+    return p.e8m0 ? fp8::decode_e8m0(static_cast<const uint8_t*>(p.scale_inv)[block])
+                  : static_cast<const float*>(p.scale_inv)[block];
+  };
+  const float tensor_scale_inv = kLookup == ScaleLookup::tensor ? scale_of(0) : 0.0f;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kFlatThreads;
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
+       first < runs; first += 2 * stride) {
+    uint32_t w[2][4] = {};
+    int64_t at[2], count[2];
+    float scale_inv[2];
 #pragma unroll
-      for (int e = 0; e < kRunElems; ++e)
-        if (e < count) w[e / 4] |= static_cast<uint32_t>(p.q[i + e]) << (8 * (e % 4));
-    }
-    float v[kRunElems];
+    for (int k = 0; k < 2; ++k) {
+      const int64_t s = first + k * stride;
+      if (s >= runs) break;
+      if constexpr (kLookup == ScaleLookup::general) {
+        const int64_t r = s / runs_per_row, c = (s % runs_per_row) * kRunElems;
+        at[k] = r * p.cols + c;
+        count[k] = p.cols - c;
+        scale_inv[k] = scale_of((r / p.block_rows) * p.scale_cols + c / p.block_cols);
+      } else {
+        at[k] = s * kRunElems;
+        count[k] = kRunElems;
+        scale_inv[k] = kLookup == ScaleLookup::tensor ? tensor_scale_inv
+                                                      : scale_of(at[k] >> p.block_shift);
+      }
+      if (p.vec && count[k] >= kRunElems) {
+        const uint4 u = *reinterpret_cast<const uint4*>(p.q + at[k]);
+        w[k][0] = u.x, w[k][1] = u.y, w[k][2] = u.z, w[k][3] = u.w;
+      } else {
 #pragma unroll
-    for (int e = 0; e < kRunElems; ++e) {
-      const uint8_t q = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
-      v[e] = mul_like_host(fp8::decode_fp8(q, kFp8), scale_inv);
+        for (int e = 0; e < kRunElems; ++e)
+          if (e < count[k]) w[k][e / 4] |= static_cast<uint32_t>(p.q[at[k] + e]) << (8 * (e % 4));
+      }
     }
-    store_run<TOut>(out + i, count, p.vec, v);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      if (first + k * stride >= runs) break;
+      float v[kRunElems];
+      decode_run<kFp8>(w[k], scale_inv[k], v);
+      store_run<TOut>(out + at[k], count[k], p.vec, v);
+    }
   }
 }
 
@@ -243,12 +310,38 @@ void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transpose
   p.scale_cols = ceil_div(p.cols, p.block_cols);
   p.e8m0 = q.mode == ScalingMode::mxfp8_1x32;
   p.vec = quant::vec_aligned(p.q) && quant::vec_aligned(p.out) && p.cols % quant::kRunElems == 0;
-  const int grid = quant::flat_grid(p.rows * ceil_div(p.cols, quant::kRunElems), device);
+  // Row-wise blocks of a power-of-two width that tile whole rows: the block of element i is
+  // i >> block_shift (1x128 and MXFP8 at the usual widths).
+  const bool flat_blocks = p.vec && p.block_rows == 1 && p.cols % p.block_cols == 0 &&
+                           (p.block_cols & (p.block_cols - 1)) == 0;
+  p.block_shift = flat_blocks ? __builtin_ctzll(static_cast<uint64_t>(p.block_cols)) : 0;
+  const quant::ScaleLookup lookup = q.mode == ScalingMode::per_tensor && p.vec
+                                        ? quant::ScaleLookup::tensor
+                                    : flat_blocks ? quant::ScaleLookup::flat_blocks
+                                                  : quant::ScaleLookup::general;
+  // One pass of the loop per thread (two runs), not flat_grid's grid of every resident thread:
+  // this kernel's registers let fewer CTAs share an SM than flat_grid counts, and a grid-stride
+  // grid sized for more than fit runs a second, partly empty wave. Here SMs refill as CTAs end.
+  const int64_t runs = p.rows * ceil_div(p.cols, quant::kRunElems);
+  const int grid = static_cast<int>(std::min<int64_t>(ceil_div(runs, 2 * quant::kFlatThreads), INT_MAX));
   math::visit_dtype(out.dtype(), [&](auto out_tag) {
     using TOut = decltype(out_tag);
     visit_fp8(q.dtype, [&](auto fp8_tag) {
-      quant::dequantize_kernel<TOut, decltype(fp8_tag)::value>
-          <<<grid, quant::kFlatThreads, 0, stream>>>(p);
+      constexpr DType kFp8 = decltype(fp8_tag)::value;
+      switch (lookup) {
+        case quant::ScaleLookup::tensor:
+          quant::dequantize_kernel<TOut, kFp8, quant::ScaleLookup::tensor>
+              <<<grid, quant::kFlatThreads, 0, stream>>>(p);
+          break;
+        case quant::ScaleLookup::flat_blocks:
+          quant::dequantize_kernel<TOut, kFp8, quant::ScaleLookup::flat_blocks>
+              <<<grid, quant::kFlatThreads, 0, stream>>>(p);
+          break;
+        case quant::ScaleLookup::general:
+          quant::dequantize_kernel<TOut, kFp8, quant::ScaleLookup::general>
+              <<<grid, quant::kFlatThreads, 0, stream>>>(p);
+          break;
+      }
       OCTET_CHECK_LAUNCH();
     });
   });
