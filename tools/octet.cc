@@ -81,6 +81,10 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
                   "dtype of the gradient all-reduce across ranks: fp32 or bf16 (half the bytes)")
       ->capture_default_str();
+  cmd->add_option("--grad-bucket-mb", o.grad_bucket_mb,
+                  "MiB of gradients per all-reduce bucket, each started as soon as the backward "
+                  "has finished it (0: one all-reduce after the backward)")
+      ->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed of weights and data order")->capture_default_str();
   cmd->add_flag("--recompute", o.recompute, "recompute activations in backward (saves memory)");
   cmd->add_flag("--deterministic", o.deterministic,

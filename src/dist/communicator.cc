@@ -26,6 +26,10 @@ int64_t flat_count(std::span<const Tensor> tensors, const char* what, std::optio
   return total;
 }
 
+void Communicator::start_sum(const Tensor& flat) {
+  all_reduce(std::span(&flat, 1), ReduceOp::sum);
+}
+
 void SingleProcess::all_reduce(std::span<const Tensor> tensors, ReduceOp op) {
   const DType dtype = tensors.empty() ? DType::f32 : tensors[0].dtype();
   OCTET_CHECK(dtype == DType::f32 || (dtype == DType::bf16 && op == ReduceOp::sum),

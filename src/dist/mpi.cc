@@ -194,14 +194,62 @@ class MpiCommunicator final : public Communicator {
     OCTET_CHECK_MPI(MPI_Barrier(MPI_COMM_WORLD));
   }
 
+  // Not MPI_Iallreduce: it may sum in another order on each rank (all_reduce's reason to reduce
+  // on rank 0). The reduction to rank 0 runs in the background (MPI_Ireduce); its broadcast
+  // starts in wait_sums, once rank 0 holds the sum.
+  void start_sum(const Tensor& flat) override {
+    CollectiveWatchdog::Scope watched(*watchdog_, "all_reduce");
+    OCTET_CHECK(flat.dtype() == DType::f32 || flat.dtype() == DType::bf16,
+                "start_sum takes an f32 or bf16 tensor, got ", flat.describe());
+    check_cpu(flat, "start_sum");
+    const MPI_Datatype type = flat.dtype() == DType::f32 ? MPI_FLOAT : MPI_UINT16_T;
+    in_chunks(static_cast<char*>(flat.raw_data()), flat.numel(), dtype_size(flat.dtype()),
+              [&](char* p, int n) {
+                MPI_Request request = MPI_REQUEST_NULL;
+                OCTET_CHECK_MPI(MPI_Ireduce(rank_ == 0 ? MPI_IN_PLACE : p, rank_ == 0 ? p : nullptr,
+                                            n, type, sum_op(type), 0, MPI_COMM_WORLD, &request));
+                pending_.push_back({p, n, type, request});
+              });
+    // Open MPI moves a nonblocking collective on only inside MPI calls: testing the earlier
+    // sums here lets them progress while the caller computes.
+    for (PendingSum& s : pending_) {
+      int done = 0;
+      OCTET_CHECK_MPI(MPI_Test(&s.request, &done, MPI_STATUS_IGNORE));
+    }
+  }
+
+  void wait_sums() override {
+    if (pending_.empty()) return;
+    CollectiveWatchdog::Scope watched(*watchdog_, "all_reduce");
+    // In the order started, on every rank: each sum complete on rank 0, then its broadcast.
+    std::vector<MPI_Request> broadcasts(pending_.size(), MPI_REQUEST_NULL);
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      PendingSum& s = pending_[i];
+      OCTET_CHECK_MPI(MPI_Wait(&s.request, MPI_STATUS_IGNORE));
+      OCTET_CHECK_MPI(MPI_Ibcast(s.data, s.count, s.type, 0, MPI_COMM_WORLD, &broadcasts[i]));
+    }
+    pending_.clear();
+    OCTET_CHECK_MPI(MPI_Waitall(static_cast<int>(broadcasts.size()), broadcasts.data(),
+                                MPI_STATUSES_IGNORE));
+  }
+
  private:
+  /// A chunk of a start_sum buffer whose reduction to rank 0 is in flight.
+  struct PendingSum {
+    char* data;
+    int count;
+    MPI_Datatype type;
+    MPI_Request request;
+  };
+
+  MPI_Op sum_op(MPI_Datatype type) const { return type == MPI_FLOAT ? MPI_SUM : bf16_sum_; }
+
   /// A float sum depends on its order, and MPI_Allreduce may sum in a different order on each
   /// rank: reduce on rank 0 (a fixed order for a fixed world size) and let the caller send the
   /// result from there, so every rank holds the same bits and the replicas never drift apart.
   void reduce_sum_on_root(char* p, int n, MPI_Datatype type) {
-    const MPI_Op sum = type == MPI_FLOAT ? MPI_SUM : bf16_sum_;
     OCTET_CHECK_MPI(MPI_Reduce(rank_ == 0 ? MPI_IN_PLACE : p, rank_ == 0 ? p : nullptr, n, type,
-                               sum, 0, MPI_COMM_WORLD));
+                               sum_op(type), 0, MPI_COMM_WORLD));
   }
 
   /// The flat buffer of `tensors`: the tensor itself when there is one, else flat_ filled with
@@ -234,6 +282,7 @@ class MpiCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   MPI_Op max_ = MPI_OP_NULL, bf16_sum_ = MPI_OP_NULL;
   std::vector<char> flat_;
+  std::vector<PendingSum> pending_;  ///< started by start_sum, in order
   std::unique_ptr<CollectiveWatchdog> watchdog_;
 };
 

@@ -94,6 +94,7 @@ class NcclCommunicator final : public Communicator {
     const int64_t total = flat_count(tensors, "all_reduce", dtype);
     if (total == 0) return;
     DeviceGuard guard(device_);
+    order_after_sums();
     void* data = pack(tensors, total, dtype_size(dtype));
     if (op == ReduceOp::max) {
       // An exact, order-free MAX over keys that order like the floats with NaN on top.
@@ -103,7 +104,7 @@ class NcclCommunicator final : public Communicator {
       });
       cuda::from_ordered_keys(data, total, stream_);
     } else {
-      sum_to_every_rank(data, total, dtype);
+      sum_to_every_rank(data, total, dtype, stream_);
     }
     unpack(tensors, dtype_size(dtype), 0, total);
     wait_until_done("all_reduce", /*stream_work=*/true);
@@ -113,10 +114,11 @@ class NcclCommunicator final : public Communicator {
     const int64_t total = flat_count(tensors, "reduce_scatter", DType::f32);
     if (total == 0) return;
     DeviceGuard guard(device_);
+    order_after_sums();
     void* data = pack(tensors, total, sizeof(float));
     // The sum all_reduce computes, so each shard is bitwise all_reduce's (ncclReduceScatter
     // sums each shard in its own ring order).
-    sum_to_every_rank(data, total, DType::f32);
+    sum_to_every_rank(data, total, DType::f32, stream_);
     const ShardRange mine = shard_range(total, size_, rank_);
     unpack(tensors, sizeof(float), mine.begin, mine.end);
     wait_until_done("reduce_scatter", /*stream_work=*/true);
@@ -126,6 +128,7 @@ class NcclCommunicator final : public Communicator {
     const int64_t total = flat_count(tensors, "all_gather");
     if (total == 0) return;
     DeviceGuard guard(device_);
+    order_after_sums();
     const size_t element = dtype_size(tensors[0].dtype());
     // ncclAllGather takes equal parts: shard_range's ceil(total / size), the buffer padded to
     // size parts, this rank's part already in place (NCCL's in-place form).
@@ -145,6 +148,7 @@ class NcclCommunicator final : public Communicator {
     for (const Tensor& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
     if (bytes == 0) return;
     DeviceGuard guard(device_);
+    order_after_sums();
     char* data = static_cast<char*>(pack_bytes(tensors, bytes));
     run("ncclBroadcast",
         [&] { return ncclBroadcast(data, data, bytes, ncclChar, root, comm_, stream_); });
@@ -157,15 +161,63 @@ class NcclCommunicator final : public Communicator {
     all_reduce(std::span(&one, 1), ReduceOp::sum);
   }
 
+  void start_sum(const Tensor& flat) override {
+    OCTET_CHECK((flat.dtype() == DType::f32 || flat.dtype() == DType::bf16) &&
+                    flat.device() == device_,
+                "start_sum takes one f32 or bf16 tensor on ", device_, ", got ", flat.describe());
+    if (flat.numel() == 0) return;
+    DeviceGuard guard(device_);
+    if (side_.stream == nullptr) {
+      check_cuda(cudaStreamCreateWithFlags(&side_.stream, cudaStreamNonBlocking));
+      check_cuda(cudaEventCreateWithFlags(&side_.queued, cudaEventDisableTiming));
+      check_cuda(cudaEventCreateWithFlags(&side_.summed, cudaEventDisableTiming));
+    }
+    // The sum reads what the device's stream wrote before now and runs beside what it does next.
+    check_cuda(cudaEventRecord(side_.queued, stream_));
+    check_cuda(cudaStreamWaitEvent(side_.stream, side_.queued, 0));
+    sum_to_every_rank(flat.raw_data(), flat.numel(), flat.dtype(), side_.stream);
+    sums_pending_ = true;
+  }
+
+  void wait_sums() override {
+    if (!sums_pending_) return;
+    DeviceGuard guard(device_);
+    // The host waits as for any collective (NCCL's errors, the deadline): a dead peer aborts the
+    // communicator instead of leaving the device's stream waiting for the sums forever.
+    wait_until_done("all_reduce", side_.stream);
+    order_after_sums();
+  }
+
  private:
+  /// The stream and events of the sums that overlap the device's stream (start_sum).
+  struct SideStream {
+    cudaStream_t stream = nullptr;
+    cudaEvent_t queued = nullptr, summed = nullptr;
+    ~SideStream() {
+      if (summed != nullptr) cudaEventDestroy(summed);
+      if (queued != nullptr) cudaEventDestroy(queued);
+      if (stream != nullptr) cudaStreamDestroy(stream);
+    }
+  };
+
+  /// The device's stream waits for the sums started so far. Every collective on it does so
+  /// first: this communicator's kernels then run in the order they were issued, the same on
+  /// every rank, whatever NCCL does with kernels of one communicator on two streams.
+  void order_after_sums() {
+    if (!sums_pending_) return;
+    sums_pending_ = false;
+    check_cuda(cudaEventRecord(side_.summed, side_.stream));
+    check_cuda(cudaStreamWaitEvent(stream_, side_.summed, 0));
+  }
+
   /// A sum that leaves every rank the same bits: reduced on rank 0, then broadcast (the same
   /// contract as the MPI communicator's, whatever algorithm NCCL picks for an all-reduce).
-  void sum_to_every_rank(void* data, int64_t total, DType dtype) {
+  void sum_to_every_rank(void* data, int64_t total, DType dtype, cudaStream_t stream) {
     const ncclDataType_t type = dtype == DType::f32 ? ncclFloat32 : ncclBfloat16;
     run("ncclReduce",
-        [&] { return ncclReduce(data, data, total, type, ncclSum, 0, comm_, stream_); });
+        [&] { return ncclReduce(data, data, total, type, ncclSum, 0, comm_, stream); });
     run("ncclBroadcast",
-        [&] { return ncclBroadcast(data, data, total, type, 0, comm_, stream_); });
+        [&] { return ncclBroadcast(data, data, total, type, 0, comm_, stream); });
   }
 
   /// The device buffer of `tensors` as one flat buffer of `capacity` (>= total) elements: the
@@ -231,17 +283,22 @@ class NcclCommunicator final : public Communicator {
   }
   char* staging() const { return static_cast<char*>(staging_.raw_data()); }
 
-  /// Enqueues one NCCL call (non-blocking communicators may answer ncclInProgress).
+  /// Enqueues one NCCL call. A non-blocking communicator may answer ncclInProgress: the next
+  /// call waits until the enqueue (not the work) is done, under the deadline.
   template <typename Call>
   void run(const char* what, Call&& call) {
     const ncclResult_t result = call();
-    if (result != ncclSuccess && result != ncclInProgress) fail(what, result);
+    if (result == ncclInProgress) wait_until_done(what, cudaStream_t{nullptr});
+    else if (result != ncclSuccess) fail(what, result);
   }
 
-  /// Waits until NCCL has no call in progress and (with `stream_work`) the stream is idle,
-  /// polling NCCL's asynchronous error; aborts the communicator and throws on an error or when
-  /// the collective deadline passes (a peer died or hangs).
   void wait_until_done(const char* what, bool stream_work) {
+    wait_until_done(what, stream_work ? stream_ : nullptr);
+  }
+  /// Waits until NCCL has no call in progress and `stream` (unless null) is idle, polling NCCL's
+  /// asynchronous error; aborts the communicator and throws on an error or when the collective
+  /// deadline passes (a peer died or hangs).
+  void wait_until_done(const char* what, cudaStream_t stream) {
     const auto start = std::chrono::steady_clock::now();
     while (true) {
       ncclResult_t state = ncclSuccess;
@@ -249,8 +306,8 @@ class NcclCommunicator final : public Communicator {
       if (asked != ncclSuccess) fail(what, asked);
       if (state != ncclSuccess && state != ncclInProgress) fail(what, state);
       if (state == ncclSuccess) {
-        if (!stream_work) return;
-        const cudaError_t queried = cudaStreamQuery(stream_);
+        if (stream == nullptr) return;
+        const cudaError_t queried = cudaStreamQuery(stream);
         if (queried == cudaSuccess) return;
         if (queried != cudaErrorNotReady) check_cuda(queried);
       }
@@ -293,6 +350,8 @@ class NcclCommunicator final : public Communicator {
   bool aborted_ = false;
   bool in_place_ = false;  ///< the last pack() used the tensor itself
   Tensor staging_;         ///< the flat buffer of collectives over several or host tensors
+  SideStream side_;
+  bool sums_pending_ = false;  ///< start_sum queued work on side_ that stream_ has not waited for
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "octet/core/hash.h"
 #include "octet/ops/quantize.h"
+#include "octet/train/grad_buckets.h"
 
 namespace octet::train {
 
@@ -22,7 +23,7 @@ uint64_t options_fingerprint(const TrainOptions& o) {
        << o.keep << sep << o.resume << sep << o.eval_every << sep << o.eval_batches << sep
        << o.fp8_stats_every << sep << o.log_every << sep << o.max_skips << sep << o.guard << sep
        << o.guard_skip << sep << o.guard_z << sep << o.guard_warmup << sep << o.inject << sep
-       << o.zero << sep << o.grad_reduce_dtype;
+       << o.zero << sep << o.grad_reduce_dtype << sep << o.grad_bucket_mb;
   return fnv1a(text.str());
 }
 
@@ -44,6 +45,11 @@ void DataParallel::check_run(const TrainOptions& o) const {
     throw dist::CollectiveError(__FILE__, __LINE__,
                                 "--grad-reduce-dtype takes fp32 or bf16, got '" +
                                     o.grad_reduce_dtype + "'");
+  try {
+    grad_bucket_bytes(o.grad_bucket_mb);
+  } catch (const Error& e) {
+    throw dist::CollectiveError(__FILE__, __LINE__, e.message());
+  }
   if (!active()) return;
   // Rank 0's fingerprint to everyone, then every rank's verdict to everyone: a rank whose
   // options differ knows it, and the MAX (of rank + 1 where they differ) tells the others which,
@@ -80,8 +86,32 @@ void DataParallel::set_grad_reduce_dtype(const std::string& name) {
   grad_reduce_dtype_ = name == "bf16" ? DType::bf16 : DType::f32;
 }
 
+GradientReadyHook* DataParallel::gradient_hook(std::span<const Parameter> params,
+                                               double bucket_mb) {
+  const int64_t bytes = grad_bucket_bytes(bucket_mb);
+  if (!active() || bytes == 0) {
+    buckets_.reset();
+    return nullptr;
+  }
+  std::vector<Tensor> grads;
+  for (const Parameter& p : params) grads.push_back(p.grad);
+  // Made again for another model (a test trains several with one DataParallel) or option.
+  if (!buckets_ || !buckets_->serves(grads, bytes, grad_reduce_dtype_))
+    buckets_ = std::make_unique<GradBucketReducer>(comm_, std::move(grads), bytes,
+                                                   grad_reduce_dtype_);
+  return buckets_.get();
+}
+
+size_t DataParallel::bucket_count() const { return buckets_ ? buckets_->buckets().size() : 1; }
+
 double DataParallel::reduce_gradients(std::span<const Tensor> grads, double loss) {
   if (!active()) return loss;
+  if (buckets_) {
+    OCTET_CHECK(buckets_->serves(grads, buckets_->bucket_bytes(), buckets_->wire()),
+                "reduce_gradients: these gradients are not the ones gradient_hook was given");
+    buckets_->finish();
+    return sum_loss(loss);
+  }
   if (grad_reduce_dtype_ == DType::bf16) {
     // Each gradient rounded to bf16 into one flat buffer on its device, summed in bf16 (rank 0's
     // order), widened back: every rank gets the same bits. The loss goes in f32 on its own.
@@ -100,15 +130,19 @@ double DataParallel::reduce_gradients(std::span<const Tensor> grads, double loss
       ops::cast(bf16_flat_.slice(at, at + g.numel()).view(g.shape()), g);
       at += g.numel();
     }
-    *loss_.data<float>() = static_cast<float>(loss);
-    comm_->all_reduce(std::span(&loss_, 1), dist::ReduceOp::sum);
-    return static_cast<double>(*loss_.data<float>());
+    return sum_loss(loss);
   }
   // The loss rides at the end of the gradients' buffer: one collective per step.
   *loss_.data<float>() = static_cast<float>(loss);
   std::vector<Tensor> tensors(grads.begin(), grads.end());
   tensors.push_back(loss_);
   comm_->all_reduce(tensors, dist::ReduceOp::sum);
+  return static_cast<double>(*loss_.data<float>());
+}
+
+double DataParallel::sum_loss(double loss) {
+  *loss_.data<float>() = static_cast<float>(loss);
+  comm_->all_reduce(std::span(&loss_, 1), dist::ReduceOp::sum);
   return static_cast<double>(*loss_.data<float>());
 }
 

@@ -207,11 +207,22 @@ struct GPT::Impl {
   /// Per block, per LinearSlot: the statistics of the last microbatch that collected them.
   std::vector<std::array<Fp8LayerStats, nn::kBlockLinears>> stats;
   ActivationHook activation_hook;
+  GradientReadyHook* ready_hook = nullptr;
+  /// Where each part's parameters start in entries(): what ready_hook is told.
+  struct ParamStarts {
+    std::vector<size_t> blocks;
+    size_t final_norm = 0, lm_head = 0;
+  } starts;
 
   Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute,
        std::shared_ptr<nn::AmaxReducer> reducer);
 
-  std::vector<Entry> entries();
+  /// Every trainable tensor in parameters() order; fills `starts` when given.
+  std::vector<Entry> entries(ParamStarts* starts = nullptr);
+  /// Tells ready_hook, if any, that the parameters from `first` on are final.
+  void gradients_ready(size_t first) const {
+    if (ready_hook != nullptr) ready_hook->gradients_ready(first);
+  }
   void initialize(uint64_t seed);
   const Tensor& head_weight() const { return config.tied_embeddings() ? wte : lm_head; }
   const Tensor& head_grad() const { return config.tied_embeddings() ? grad_wte : grad_lm_head; }
@@ -295,8 +306,11 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
   }
 }
 
-std::vector<Entry> GPT::Impl::entries() {
+std::vector<Entry> GPT::Impl::entries(ParamStarts* starts) {
   std::vector<Entry> out;
+  ParamStarts unused;
+  ParamStarts& at = starts != nullptr ? *starts : unused;
+  at.blocks.clear();
   out.push_back({"wte", wte, grad_wte, true, Init::normal});
   if (wpe.defined()) out.push_back({"wpe", wpe, grad_wpe, false, Init::normal});
   auto add_norm = [&](const std::string& prefix, nn::Norm& norm) {
@@ -314,6 +328,7 @@ std::vector<Entry> GPT::Impl::entries() {
     nn::TransformerBlock& b = blocks[l];
     const std::string prefix = "blocks." + std::to_string(l) + ".";
     const std::vector<NamedLinear> linears = block_linears(b, l);
+    at.blocks.push_back(out.size());
     add_norm(prefix + "norm1", b.norm1());
     for (size_t i = 0; i < 2; ++i) add_linear(linears[i].name, *linears[i].linear, linears[i].init);
     add_norm(prefix + "norm2", b.norm2());
@@ -328,7 +343,9 @@ std::vector<Entry> GPT::Impl::entries() {
     for (size_t i = 2; i < linears.size(); ++i)
       add_linear(linears[i].name, *linears[i].linear, linears[i].init);
   }
+  at.final_norm = out.size();
   add_norm("final_norm", final_norm);
+  at.lm_head = out.size();
   if (lm_head.defined()) out.push_back({"lm_head", lm_head, grad_lm_head, true, Init::normal});
   return out;
 }
@@ -477,10 +494,22 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   if (measure) m.measure_gradients(true);
   Tensor dx = m.head_backward(dlogits, xf);
   dlogits = xf = Tensor();
+  // A tied head's gradient is the embedding's, final only after the embedding's backward.
+  if (!m.config.tied_embeddings()) m.gradients_ready(m.starts.lm_head);
   dx = m.final_norm.backward(dx, norm_saved);
   norm_saved = nn::Norm::Saved();
-  for (size_t l = m.blocks.size(); l-- > 0;) dx = m.blocks[l].backward(dx, saved[l], grad_scale);
+  if (m.ready_hook != nullptr) {
+    m.final_norm.settle_grad();
+    m.gradients_ready(m.starts.final_norm);
+  }
+  for (size_t l = m.blocks.size(); l-- > 0;) {
+    dx = m.blocks[l].backward(dx, saved[l], grad_scale);
+    if (m.ready_hook == nullptr) continue;
+    m.blocks[l].settle_grads();  // an expert that got no token: its gradient is zero
+    m.gradients_ready(m.starts.blocks[l]);
+  }
   ops::embedding_backward(ids_d, dx, seq, m.grad_wte, m.grad_wpe);
+  m.gradients_ready(0);
   if (measure) m.measure_gradients(false);
   if (m.fp8) m.registry.finalize_backward();
   // The objective is the cross-entropy plus every MoE layer's aux and z losses (whose gradients
@@ -625,6 +654,12 @@ int64_t GPT::weight_cast_bytes() {
 }
 
 void GPT::set_activation_hook(ActivationHook hook) { impl_->activation_hook = std::move(hook); }
+
+void GPT::set_gradient_ready_hook(GradientReadyHook* hook) {
+  Impl& m = *impl_;
+  if (hook != nullptr) m.entries(&m.starts);
+  m.ready_hook = hook;
+}
 
 void GPT::on_weights_updated(nn::PreparedCast prepared) {
   Impl& m = *impl_;

@@ -114,18 +114,29 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
   // The Linear weight gradients are overwritten by the first microbatch's wgrad GEMMs instead of
   // zeroed first (a 5.9 GB pass at GPT-2 1.5B); settle_grads() covers any that did not run.
   s.model->zero_grad(nn::ZeroGrad::on_next_write);
+  // The rank's last backward starts the gradient buckets' reductions as it finishes them; an
+  // injected gradient fault is written after the backward, so then they all start after it.
+  GradientReadyHook* buckets = dp.gradient_hook(s.params, o.grad_bucket_mb);
+  if (!o.inject.empty()) buckets = nullptr;
+  struct HookReset {
+    GPT& model;
+    ~HookReset() { model.set_gradient_ready_hook(nullptr); }
+  } hook_reset{*s.model};
   for (int64_t micro = 0; micro < o.accum; ++micro) {
     Batch b = data.next_batch(static_cast<int>(o.batch), static_cast<int>(o.seq));
     if (!dp.owns(micro, o.accum)) continue;  // another rank's: read only to keep the stream
     checks.before_microbatch(step, micro);
+    if (dp.last_owned(micro, o.accum)) s.model->set_gradient_ready_hook(buckets);
     r.loss += s.model->train_microbatch(b.inputs.view({-1}), b.targets.view({-1}), o.batch, o.seq,
                                         1.0f / static_cast<float>(o.accum));
     if (checks.guarding()) s.model->settle_grads();  // the guard reads them now
     checks.after_microbatch(step, micro);
   }
+  s.model->set_gradient_ready_hook(nullptr);
   s.model->settle_grads();
   if (dp.active()) {
-    // Each rank's gradients already carry 1/accum: their sum is the global batch's mean.
+    // Each rank's gradients already carry 1/accum: their sum is the global batch's mean. With
+    // buckets, this waits for the ones the backward started and reduces the rest.
     std::vector<Tensor> grads;
     grads.reserve(s.params.size());
     for (const Parameter& p : s.params) grads.push_back(p.grad);
@@ -337,14 +348,23 @@ void train(const TrainOptions& options) {
   }
   // After the restore: each rank keeps its shard of the (possibly resumed) moments.
   if (o.zero == 1) s.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), s, o.weight_decay);
+  dp.gradient_hook(s.params, o.grad_bucket_mb);  // the buckets, for the line below
 
   if (root) {
     std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
                 device.str().c_str(), describe_precision(precision).c_str(),
                 data->describe().c_str());
-    if (dp.active())
-      std::printf("  data parallel: world size %d (%s), %lld microbatch(es) per rank per step\n",
-                  dp.size(), dp.describe().c_str(), (long long)(o.accum / dp.size()));
+    if (dp.active()) {
+      char buckets[96];
+      if (o.grad_bucket_mb == 0)
+        std::snprintf(buckets, sizeof buckets, "gradients reduced after the backward");
+      else
+        std::snprintf(buckets, sizeof buckets, "%zu gradient bucket(s) of up to %g MiB",
+                      dp.bucket_count(), o.grad_bucket_mb);
+      std::printf(
+          "  data parallel: world size %d (%s), %lld microbatch(es) per rank per step, %s\n",
+          dp.size(), dp.describe().c_str(), (long long)(o.accum / dp.size()), buckets);
+    }
     if (s.zero || o.grad_reduce_dtype != "fp32")
       std::printf("  zero %lld (AdamW moments per rank: %.1f MB), gradient reduction in %s\n",
                   (long long)o.zero,

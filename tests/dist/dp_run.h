@@ -47,13 +47,15 @@ struct TrainedRun {
 };
 
 /// o.steps steps of `o` on `dp`'s world (a single process when dp is inactive), with the AdamW
-/// moments sharded over it when o.zero is 1 (gathered whole again into `tensors`).
-inline TrainedRun train_run(const TrainOptions& o, DataParallel& dp) {
+/// moments sharded over it when o.zero is 1 (gathered whole again into `tensors`), the model on
+/// `device` (the NCCL tests': the rank's GPU).
+inline TrainedRun train_run(const TrainOptions& o, DataParallel& dp,
+                            const Device& device = Device::cpu()) {
   TrainedRun run;
   auto data = make_token_source("builtin", o.seed);
   const ModelConfig config = resolve_model_config(o, data->vocab_size());
   const Precision precision = Precision::from_name(o.precision);
-  run.state = make_train_state(config, precision, Device::cpu(), o.seed, false, dp.amax_reducer());
+  run.state = make_train_state(config, precision, device, o.seed, false, dp.amax_reducer());
   if (o.zero == 1)
     run.state.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), run.state, o.weight_decay);
   StepChecks checks(*run.state.model, run.state.params, o);

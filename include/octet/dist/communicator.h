@@ -61,6 +61,18 @@ class Communicator {
   virtual void broadcast(std::span<const Tensor> tensors, int root = 0) = 0;
   /// Returns when every rank has called it.
   virtual void barrier() = 0;
+
+  /// Starts all_reduce(sum) of `flat` (one f32 or bf16 tensor on this communicator's device, the
+  /// CPU for MPI) and may return before it completes: the tensor must be neither read nor
+  /// written until wait_sums() returns. Every element gets the bits all_reduce(sum) gives it
+  /// (reduced on rank 0, broadcast), wherever the buffer's boundaries fall. Every rank starts the
+  /// same sums in the same order; other collectives may run between start and wait. On a GPU
+  /// the sum runs after the work already queued on the device's stream, on a stream of its own.
+  /// The default reduces at once.
+  virtual void start_sum(const Tensor& flat);
+  /// Returns when every started sum is complete (on a GPU: the device's stream also waits for
+  /// them before its next work), with the deadline and errors of any collective.
+  virtual void wait_sums() {}
 };
 
 /// The group of one process: collectives leave the tensors as they are.

@@ -18,6 +18,7 @@
 
 #include "octet/core/tensor.h"
 #include "octet/dist/communicator.h"
+#include "octet/train/grad_buckets.h"
 #include "octet/train/step_checks.h"
 #include "octet/train/trainer.h"
 
@@ -62,9 +63,25 @@ class DataParallel {
   /// The communicator (a SingleProcess for a world of one).
   const std::shared_ptr<dist::Communicator>& communicator() const { return comm_; }
 
+  /// Whether microbatch `micro` is this rank's last of the step (its backward completes the
+  /// gradients).
+  bool last_owned(int64_t micro, int64_t accum) const {
+    return micro == (rank_ + 1) * (accum / size_) - 1;
+  }
+
+  /// The hook that starts the gradient buckets' sums during the step's last backward
+  /// (grad_buckets.h) for `params` (parameters() order) in buckets of `bucket_mb` MiB
+  /// (--grad-bucket-mb), made on the first call (after set_grad_reduce_dtype). Null for a world
+  /// of one or for bucket_mb 0 (reduce_gradients then reduces everything in one collective).
+  GradientReadyHook* gradient_hook(std::span<const Parameter> params, double bucket_mb);
+  /// The number of gradient buckets (1 without gradient_hook's).
+  size_t bucket_count() const;
+
   /// Sums the gradients (FP32 tensors, in the given order: parameters()' order) and `loss` (this
   /// rank's sum of its microbatches' losses) over the ranks, in the grad-reduce dtype; every rank
-  /// ends with the same gradients. Returns the sum of the losses over every rank.
+  /// ends with the same gradients. With gradient_hook's buckets, `grads` must be its `params`'
+  /// gradients: the buckets not started yet start, and every bucket is waited for. Returns the
+  /// sum of the losses over every rank.
   double reduce_gradients(std::span<const Tensor> grads, double loss);
 
   /// Makes every rank take the same decision on a step: the verdict with the highest
@@ -78,8 +95,12 @@ class DataParallel {
   std::shared_ptr<dist::Communicator> comm_;
   int rank_ = 0, size_ = 1;
   Tensor loss_, skip_;  ///< f32[1] host buffers of the step's reductions
+  /// The sum of `loss` over the ranks (f32).
+  double sum_loss(double loss);
+
   DType grad_reduce_dtype_ = DType::f32;
   Tensor bf16_flat_;  ///< the bf16 gradients of one reduction, on the gradients' device
+  std::unique_ptr<GradBucketReducer> buckets_;  ///< gradient_hook's, once made
 };
 
 /// A hash of every field of `options` (FNV-1a over their text), equal on every rank that was

@@ -73,6 +73,17 @@ struct MoeLayerStats {
   nn::MoE::Load load;
 };
 
+/// Told by a training backward when parameters' gradients are final, so that data parallelism
+/// can start reducing them while the backward goes on (grad_buckets.h).
+class GradientReadyHook {
+ public:
+  virtual ~GradientReadyHook() = default;
+  /// Every parameter from index `first` on (parameters() order) holds its final gradient of the
+  /// step (the ones zero_grad(on_next_write) left unwritten are zeroed first). One backward
+  /// calls it with decreasing `first`, the last time with 0.
+  virtual void gradients_ready(size_t first) = 0;
+};
+
 class GPT {
  public:
   /// Builds the model on `device` with weights drawn from `seed` (deterministic).
@@ -137,6 +148,11 @@ class GPT {
   /// head's copy in the activation dtype. Between steps these are the casts the next forward
   /// uses, so the same bytes are held at a step's peak.
   int64_t weight_cast_bytes();
+
+  /// The next train_microbatch calls `hook` as each part's gradients become final: the head (when
+  /// not tied), the final norm, each block from the last, the embeddings. Set it for a step's
+  /// last microbatch only: later backwards must not add to the gradients. Null: none.
+  void set_gradient_ready_hook(GradientReadyHook* hook);
 
   /// Testing aid (fault injection): called with block `layer`'s output [batch*seq, dim] in every
   /// training forward, before the next block reads it. Empty: none (the default).

@@ -77,6 +77,11 @@ struct TrainOptions {
   /// The dtype of the gradient all-reduce across ranks: fp32, or bf16 (half the bytes, each
   /// gradient rounded to bf16; data_parallel.h says what it costs).
   std::string grad_reduce_dtype = "fp32";
+  /// The gradient buckets' size in MiB of FP32 gradients (grad_buckets.h): each bucket's
+  /// reduction starts as soon as the backward has finished it. 0: one reduction after the
+  /// backward. The same results either way (bitwise for two ranks). The default is PyTorch DDP's
+  /// bucket_cap_mb: a bucket's collective is bandwidth-bound, and the first starts early.
+  double grad_bucket_mb = 25;
   /// Testing aid: faults to inject on purpose (fault_injection.h), e.g. "nan-grad@5". "": none.
   std::string inject;
 };
