@@ -27,10 +27,14 @@
 // against ~120 ms for the model's GEMMs (6 * 1.56e9 params * 8192 tokens = 77 TFLOP at ~650
 // TFLOPS), about a quarter of the step.
 //
+// A third path, cuDNN's fused SDPA (attention_cudnn.cc), runs instead where OCTET_ATTENTION or
+// set_attention_choice asks for it (ops::attention_choice()) and the call fits it.
+//
 // Files: this one holds the entry points, which pick the path, and the row term delta that
-// both backwards use; attention_flash.{cuh,cu} the tensor-core kernels (on the mma.sync,
-// ldmatrix and cp.async helpers of mma_util.cuh); attention_simple.cu the CUDA-core kernels;
-// attention_common.cuh what they share. RoPE is in rope.cu.
+// the flash and simple backwards use; attention_flash.{cuh,cu} the tensor-core kernels (on the
+// mma.sync, ldmatrix and cp.async helpers of mma_util.cuh); attention_simple.cu the CUDA-core
+// kernels; attention_common.cuh what they share; attention_cudnn.{h,cc} the cuDNN path. RoPE is
+// in rope.cu.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,6 +42,7 @@
 #include "octet/core/cuda_context.h"
 #include "ops/attention_backend.h"
 #include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/launch_util.cuh"
 
 namespace octet::ops::cuda {
@@ -107,6 +112,13 @@ void check_cuda_shape(const AttentionShape& s, const char* op) {
               ": the CUDA backend supports head_dim <= ", kMaxHeadDim, ", got ", s.head_dim);
 }
 
+/// The path under attention_choice(): cuDNN when chosen (cudnn or auto) and it takes the call,
+/// else what the library ran before cuDNN was a choice: flash where it fits, simple elsewhere.
+AttentionPath choose_path(bool flash_fits, bool cudnn_fits) {
+  if (attention_choice() != AttentionChoice::flash && cudnn_fits) return AttentionPath::cudnn;
+  return flash_fits ? AttentionPath::flash : AttentionPath::simple;
+}
+
 template <typename Elem>
 void compute_delta(const Tensor& dout, const Tensor& out, const Tensor& delta,
                    const AttentionShape& s, cudaStream_t stream) {
@@ -154,10 +166,17 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
-  if (use_tensor_cores(shape, qkv.dtype(), {&qkv, &out})) {
-    attention_forward_flash(qkv, shape, out, lse, scale, stream);
-  } else {
-    attention_forward_simple(qkv, shape, out, lse, scale, stream);
+  switch (choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &out}),
+                      cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out}))) {
+    case AttentionPath::cudnn:
+      attention_forward_cudnn(qkv, shape, out, lse, scale, stream);
+      break;
+    case AttentionPath::flash:
+      attention_forward_flash(qkv, shape, out, lse, scale, stream);
+      break;
+    case AttentionPath::simple:
+      attention_forward_simple(qkv, shape, out, lse, scale, stream);
+      break;
   }
 }
 
@@ -168,8 +187,15 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
+  const AttentionPath path =
+      choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv}),
+                  cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out, &dout, &dqkv}));
+  if (path == AttentionPath::cudnn) {  // cuDNN computes its own row term
+    attention_backward_cudnn(dout, qkv, out, lse, shape, dqkv, scale, stream);
+    return;
+  }
   const Tensor delta = attention_row_delta(dout, out, shape, stream);
-  if (use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv})) {
+  if (path == AttentionPath::flash) {
     attention_backward_flash(dout, qkv, lse, delta, shape, dqkv, scale, stream);
   } else {
     attention_backward_simple(dout, qkv, lse, delta, shape, dqkv, scale, stream);
@@ -177,3 +203,14 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
 }
 
 }  // namespace octet::ops::cuda
+
+namespace octet::ops {
+
+AttentionPath attention_path(const Tensor& qkv, const AttentionShape& shape) {
+  OCTET_CHECK(qkv.defined() && qkv.device().is_cuda(),
+              "attention_path: the CUDA paths need qkv on a CUDA device, got ", qkv.describe());
+  return cuda::choose_path(cuda::use_tensor_cores(shape, qkv.dtype(), {&qkv}),
+                           cuda::cudnn_attention_fits(shape, qkv.dtype(), {&qkv}));
+}
+
+}  // namespace octet::ops
