@@ -197,7 +197,9 @@ cudnnHandle_t handle_for(CudnnState& state, const Device& device) {
   cudnnHandle_t& handle = state.handles[device.index];
   if (handle == nullptr) {
     DeviceGuard guard(device);
-    OCTET_CHECK_CUDNN(cudnnCreate(&handle));
+    cudnnHandle_t created = nullptr;  // the slot stays null when creation fails
+    OCTET_CHECK_CUDNN(cudnnCreate(&created));
+    handle = created;
   }
   return handle;
 }
