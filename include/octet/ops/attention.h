@@ -26,7 +26,8 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
 
 /// Which implementation CUDA attention is asked to run: env OCTET_ATTENTION ("flash", the
 /// default; "cudnn"; "auto"), or set_attention_choice. cudnn and auto both run cuDNN's fused SDPA
-/// where it takes the call (see AttentionPath); cudnn needs a build with it, auto does not.
+/// where the call fits it (see AttentionPath). cudnn needs a build with it, and a shape cuDNN
+/// builds no plan for is an error; auto runs octet's own kernels in both cases.
 enum class AttentionChoice { flash, cudnn, automatic };
 /// The implementation a CUDA attention call runs: the tensor-core kernels (bf16, head_dim 64 or
 /// 128), cuDNN's SDPA (bf16, head_dim a multiple of 8 up to 128), or the CUDA-core kernels that
@@ -55,8 +56,9 @@ class ScopedAttentionChoice {
 };
 /// Whether this build has the cuDNN path (CMake option OCTET_WITH_CUDNN_ATTENTION).
 bool cudnn_attention_built();
-/// The path attention_forward/backward run on qkv's CUDA device for `shape` under the current
-/// choice, when their other tensors are 16-byte aligned as octet allocates them.
+/// The path attention_forward runs on qkv's CUDA device for `shape` under the current choice,
+/// when its other tensors are 16-byte aligned as octet allocates them (under auto this builds, or
+/// finds cached, cuDNN's forward plan for the shape).
 AttentionPath attention_path(const Tensor& qkv, const AttentionShape& shape);
 /// "flash", "cudnn" or "simple".
 const char* attention_path_name(AttentionPath path);

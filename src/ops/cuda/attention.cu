@@ -112,10 +112,17 @@ void check_cuda_shape(const AttentionShape& s, const char* op) {
               ": the CUDA backend supports head_dim <= ", kMaxHeadDim, ", got ", s.head_dim);
 }
 
-/// The path under attention_choice(): cuDNN when chosen (cudnn or auto) and it takes the call,
-/// else what the library ran before cuDNN was a choice: flash where it fits, simple elsewhere.
-AttentionPath choose_path(bool flash_fits, bool cudnn_fits) {
-  if (attention_choice() != AttentionChoice::flash && cudnn_fits) return AttentionPath::cudnn;
+/// The path under attention_choice(): cuDNN when chosen and the call fits it (under auto, only
+/// where cuDNN also builds a plan: `cudnn_builds`, asked only then; under cudnn a refusal is the
+/// call's error), else what the library ran before cuDNN was a choice: flash where it fits,
+/// simple elsewhere.
+template <typename CudnnBuilds>
+AttentionPath choose_path(bool flash_fits, bool cudnn_fits, CudnnBuilds&& cudnn_builds) {
+  const AttentionChoice choice = attention_choice();
+  if (choice != AttentionChoice::flash && cudnn_fits &&
+      (choice == AttentionChoice::cudnn || cudnn_builds())) {
+    return AttentionPath::cudnn;
+  }
   return flash_fits ? AttentionPath::flash : AttentionPath::simple;
 }
 
@@ -166,8 +173,9 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
+  const auto cudnn_builds = [&] { return cudnn_attention_builds(device, shape, false, scale); };
   switch (choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &out}),
-                      cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out}))) {
+                      cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out}), cudnn_builds)) {
     case AttentionPath::cudnn:
       attention_forward_cudnn(qkv, shape, out, lse, scale, stream);
       break;
@@ -187,9 +195,11 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
+  const auto cudnn_builds = [&] { return cudnn_attention_builds(device, shape, true, scale); };
   const AttentionPath path =
       choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv}),
-                  cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out, &dout, &dqkv}));
+                  cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out, &dout, &dqkv}),
+                  cudnn_builds);
   if (path == AttentionPath::cudnn) {  // cuDNN computes its own row term
     attention_backward_cudnn(dout, qkv, out, lse, shape, dqkv, scale, stream);
     return;
@@ -209,8 +219,12 @@ namespace octet::ops {
 AttentionPath attention_path(const Tensor& qkv, const AttentionShape& shape) {
   OCTET_CHECK(qkv.defined() && qkv.device().is_cuda(),
               "attention_path: the CUDA paths need qkv on a CUDA device, got ", qkv.describe());
+  DeviceGuard guard(qkv.device());  // a graph built for auto is built on qkv's device
+  const auto cudnn_builds = [&] {
+    return cuda::cudnn_attention_builds(qkv.device(), shape, false, cuda::softmax_scale(shape));
+  };
   return cuda::choose_path(cuda::use_tensor_cores(shape, qkv.dtype(), {&qkv}),
-                           cuda::cudnn_attention_fits(shape, qkv.dtype(), {&qkv}));
+                           cuda::cudnn_attention_fits(shape, qkv.dtype(), {&qkv}), cudnn_builds);
 }
 
 }  // namespace octet::ops

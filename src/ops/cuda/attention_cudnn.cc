@@ -169,10 +169,12 @@ void describe_backward(fe::graph::Graph& graph, const AttentionShape& s, float s
   mark_output(*dv, kDV, bhtd(s), packed_qkv_strides(s));
 }
 
-/// A built graph and the workspace its plan needs.
+/// A built graph and the workspace its plan needs, or why cuDNN built none (a refusal is kept
+/// too, so that auto asks cuDNN once per shape).
 struct BuiltGraph {
-  std::shared_ptr<fe::graph::Graph> graph;
+  std::shared_ptr<fe::graph::Graph> graph;  ///< null when refused
   int64_t workspace_bytes = 0;
+  std::string refusal;
 };
 
 using GraphKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, Pass>;  // device, B, T, H, D
@@ -204,12 +206,13 @@ cudnnHandle_t handle_for(CudnnState& state, const Device& device) {
   return handle;
 }
 
-/// The built graph of (device, shape, pass), built on first use. Caller holds the mutex.
-const BuiltGraph& graph_for(CudnnState& state, cudnnHandle_t handle, const Device& device,
-                            const AttentionShape& s, Pass pass, float scale) {
+/// The graph of (device, shape, pass), built (or refused) on first use. Caller holds the mutex.
+const BuiltGraph& graph_for(CudnnState& state, const Device& device, const AttentionShape& s,
+                            Pass pass, float scale) {
   const GraphKey key{device.index, s.batch, s.seq, s.heads, s.head_dim, pass};
   if (auto found = state.graphs.find(key); found != state.graphs.end()) return found->second;
-  BuiltGraph built{new_graph(), 0};
+  cudnnHandle_t handle = handle_for(state, device);
+  BuiltGraph built{new_graph(), 0, ""};
   try {
     if (pass == Pass::forward) {
       describe_forward(*built.graph, s, scale);
@@ -222,10 +225,10 @@ const BuiltGraph& graph_for(CudnnState& state, cudnnHandle_t handle, const Devic
                    "build", pass, s);
     check_frontend(built.graph->get_workspace_size(built.workspace_bytes), "get_workspace_size",
                    pass, s);
-  } catch (const Error&) {
-    throw;
+  } catch (const Error& e) {
+    built = {nullptr, 0, e.what()};
   } catch (const std::exception& e) {  // the frontend also throws (cudnnException)
-    OCTET_ERROR(describe(pass, s), ": cudnn-frontend threw: ", e.what());
+    built = {nullptr, 0, describe(pass, s) + ": cudnn-frontend threw: " + e.what()};
   }
   return state.graphs.emplace(key, std::move(built)).first->second;
 }
@@ -236,8 +239,9 @@ void execute(const Device& device, const AttentionShape& s, Pass pass, float sca
   CudnnState& state = cudnn_state();
   // Held through execute: the handle's stream is per handle, and the handle is per device.
   std::lock_guard lock(state.mutex);
+  const BuiltGraph& built = graph_for(state, device, s, pass, scale);
+  OCTET_CHECK(built.graph != nullptr, built.refusal);
   cudnnHandle_t handle = handle_for(state, device);
-  const BuiltGraph& built = graph_for(state, handle, device, s, pass, scale);
   // Stream-ordered like every octet buffer: freed after the kernels that use it.
   Tensor workspace;
   if (built.workspace_bytes > 0) {
@@ -262,6 +266,14 @@ PackedParts packed_parts(const Tensor& packed, const AttentionShape& s) {
 }
 
 }  // namespace
+
+bool cudnn_attention_builds(const Device& device, const AttentionShape& s, bool backward,
+                            float scale) {
+  CudnnState& state = cudnn_state();
+  std::lock_guard lock(state.mutex);
+  return graph_for(state, device, s, backward ? Pass::backward : Pass::forward, scale).graph !=
+         nullptr;
+}
 
 void attention_forward_cudnn(const Tensor& qkv, const AttentionShape& s, const Tensor& out,
                              const Tensor& lse, float scale, cudaStream_t stream) {
@@ -290,6 +302,8 @@ void attention_backward_cudnn(const Tensor& dout, const Tensor& qkv, const Tenso
 }
 
 #else  // !OCTET_WITH_CUDNN_ATTENTION: cudnn_attention_fits is false, so these are never chosen.
+
+bool cudnn_attention_builds(const Device&, const AttentionShape&, bool, float) { return false; }
 
 void attention_forward_cudnn(const Tensor&, const AttentionShape&, const Tensor&, const Tensor&,
                              float, cudaStream_t) {

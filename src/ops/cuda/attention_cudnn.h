@@ -18,6 +18,12 @@ namespace octet::ops::cuda {
 bool cudnn_attention_fits(const AttentionShape& s, DType dtype,
                           std::initializer_list<const Tensor*> tensors);
 
+/// Whether cuDNN builds a plan for this call on `device`: asked once per device, shape and pass
+/// (the graph is then cached for the calls, or its refusal remembered). Under auto, a refusal
+/// sends the call to octet's own kernels; under cudnn, the call throws with cuDNN's reason.
+bool cudnn_attention_builds(const Device& device, const AttentionShape& s, bool backward,
+                            float scale);
+
 /// Forward through cuDNN: out and lse (cuDNN's Stats, natural-log LSE of the scaled scores) of
 /// qkv, reading q, k and v in place through strides. The tensors satisfy cudnn_attention_fits.
 void attention_forward_cudnn(const Tensor& qkv, const AttentionShape& s, const Tensor& out,
