@@ -1,13 +1,18 @@
 // Causal attention, bf16, forward and backward, at GPT-2 training shapes, for every tiling of the
-// tensor-core kernels (attention_tilings.h), so that one run compares them. A tiling that
-// ops::attention_* do not use (attention_tilings.cu) is first checked against the library's
-// results, and its benchmark fails when they differ by more than the parity suite's bf16 bounds.
+// tensor-core kernels (attention_tilings.h), so that one run compares them, and for the cuDNN path
+// (OCTET_ATTENTION=cudnn: cuDNN's fused SDPA, src/ops/cuda/attention_cudnn.cc) beside them; at
+// long context (T=4096) only the default tiling and cuDNN run. A tiling that ops::attention_* do
+// not use (attention_tilings.cu) is first checked against the library's results, and its
+// benchmark fails when they differ by more than the parity suite's bf16 bounds; the cuDNN path is
+// checked the same way against the flash path, at twice those bounds (two independent errors).
+// bench/peers/attention_torch.py measures PyTorch's SDPA backends at the same shapes and counts.
 //
 // FLOPs count the causal half only (tiles above the diagonal are skipped):
 // - forward: 2 GEMMs (Q K^T, P V) of 2*B*H*T^2*D/2 each = 4*B*H*T^2*D/2;
 // - backward: FlashAttention-2's convention of 5 such GEMMs (S, dP, dV, dK, dQ) =
 //   10*B*H*T^2*D/2, although octet's kernels run 7 (S and dP twice, so that no float atomics
-//   sum dQ); the delta kernel (rowsum(dO * O)) is included in the time.
+//   sum dQ); the delta kernel (rowsum(dO * O)) is included in the time. The cuDNN rows count
+//   the same, whatever cuDNN runs, and time the whole ops::attention_* call.
 // The ceiling ratio is 0: there is no vendor attention in this process to compare with.
 #include "bench_util.h"
 
@@ -26,13 +31,17 @@ namespace octet::bench {
 namespace {
 
 /// GPT-2 training shapes: batch 8, sequence 1024, head_dim 64; 25 heads (1.5B) and 12 (124M).
+/// And the same heads at long context: 8192 tokens as batch 2 of 4096, default tiling only.
 struct AttentionCase {
   const char* model;
   ops::AttentionShape shape;
+  bool every_tiling;
 };
 constexpr AttentionCase kCases[] = {
-    {"gpt2_1.5b", {8, 1024, 25, 64}},
-    {"gpt2_124m", {8, 1024, 12, 64}},
+    {"gpt2_1.5b", {8, 1024, 25, 64}, true},
+    {"gpt2_124m", {8, 1024, 12, 64}, true},
+    {"gpt2_1.5b", {2, 4096, 25, 64}, false},
+    {"gpt2_124m", {2, 4096, 12, 64}, false},
 };
 constexpr AttentionTiling kTilings[] = {
     AttentionTiling::kRows16,
@@ -104,17 +113,29 @@ void check_tiling(const Tensor& qkv, const Tensor& dout, const Tensor& out, cons
   }
 }
 
+/// One benchmark's inputs (qkv, dout) and outputs (out, lse, dqkv) on the device.
+struct AttentionTensors {
+  Tensor qkv, dout, out, lse, dqkv;
+};
+AttentionTensors attention_tensors(const ops::AttentionShape& s) {
+  const int64_t tokens = s.batch * s.seq, width = s.heads * s.head_dim;
+  AttentionTensors t;
+  // Uniform [-1, 1] inputs: scaled scores have a standard deviation near 1/3, a softmax far
+  // from one-hot, so every tile does the full work.
+  t.qkv = random_tensor({tokens, 3 * width}, DType::bf16, /*slot=*/0);
+  t.dout = random_tensor({tokens, width}, DType::bf16, /*slot=*/1);
+  t.out = Tensor::empty({tokens, width}, DType::bf16, device());
+  t.lse = Tensor::empty({s.batch, s.heads, s.seq}, DType::f32, device());
+  t.dqkv = Tensor::empty({tokens, 3 * width}, DType::bf16, device());
+  return t;
+}
+
 void bm_attention(benchmark::State& state, const ops::AttentionShape& s, AttentionTiling tiling,
                   bool backward) {
   guarded(state, [&] {
-    const int64_t tokens = s.batch * s.seq, width = s.heads * s.head_dim;
-    // Uniform [-1, 1] inputs: scaled scores have a standard deviation near 1/3, a softmax far
-    // from one-hot, so every tile does the full work.
-    const Tensor qkv = random_tensor({tokens, 3 * width}, DType::bf16, /*slot=*/0);
-    const Tensor dout = random_tensor({tokens, width}, DType::bf16, /*slot=*/1);
-    const Tensor out = Tensor::empty({tokens, width}, DType::bf16, device());
-    const Tensor lse = Tensor::empty({s.batch, s.heads, s.seq}, DType::f32, device());
-    const Tensor dqkv = Tensor::empty({tokens, 3 * width}, DType::bf16, device());
+    const AttentionTensors tensors = attention_tensors(s);
+    const Tensor &qkv = tensors.qkv, &dout = tensors.dout, &out = tensors.out, &lse = tensors.lse,
+                 &dqkv = tensors.dqkv;
     attention_forward_tiled(qkv, s, out, lse, tiling);
     if (tiling != default_attention_tiling(s.head_dim)) {
       check_tiling(qkv, dout, out, lse, s, tiling, backward);
@@ -133,6 +154,48 @@ void bm_attention(benchmark::State& state, const ops::AttentionShape& s, Attenti
   });
 }
 
+/// The cuDNN path through ops::attention_*, checked once against the flash path's results.
+void bm_attention_cudnn(benchmark::State& state, const ops::AttentionShape& s, bool backward) {
+  guarded(state, [&] {
+    if (!ops::cudnn_attention_built()) {
+      throw Unsupported(
+          "built without the cuDNN attention path (OCTET_WITH_CUDNN_ATTENTION; "
+          "scripts/cudnn-frontend.sh fetches what it needs)");
+    }
+    const AttentionTensors tensors = attention_tensors(s);
+    const Tensor &qkv = tensors.qkv, &dout = tensors.dout, &out = tensors.out, &lse = tensors.lse,
+                 &dqkv = tensors.dqkv;
+    const AttentionTensors flash = attention_tensors(s);  // its outputs (inputs: the same pools)
+    {
+      const ops::ScopedAttentionChoice choice(ops::AttentionChoice::flash);
+      ops::attention_forward(qkv, s, flash.out, flash.lse);
+      if (backward) ops::attention_backward(dout, qkv, flash.out, flash.lse, s, flash.dqkv);
+    }
+    const ops::ScopedAttentionChoice cudnn(ops::AttentionChoice::cudnn);
+    OCTET_CHECK(ops::attention_path(qkv, s) == ops::AttentionPath::cudnn,
+                "attention cudnn bench: the shape does not take the cuDNN path");
+    // The first calls also build cuDNN's graphs (cached per shape), outside the timing.
+    ops::attention_forward(qkv, s, out, lse);
+    constexpr double kPaths = 2;  // cuDNN's error and flash's, each within the bound
+    expect_close("cudnn out", out, flash.out, kPaths * kOutTolerance);
+    expect_close("cudnn lse", lse, flash.lse, kPaths * kLseTolerance);
+    if (backward) {
+      ops::attention_backward(dout, qkv, out, lse, s, dqkv);
+      expect_close("cudnn dqkv", dqkv, flash.dqkv, kPaths * kGradTolerance);
+    }
+    double seconds = 0;
+    if (backward) {
+      seconds = time_loop(state, [&] { ops::attention_backward(dout, qkv, out, lse, s, dqkv); });
+    } else {
+      seconds = time_loop(state, [&] { ops::attention_forward(qkv, s, out, lse); });
+    }
+    const double gemms = backward ? kBackwardGemms : kForwardGemms;
+    report_gemm(state, seconds, gemms * causal_gemm_flops(s), /*ceiling_seconds=*/0);
+    state.SetLabel(backward ? "5 causal GEMMs (FA2 convention); cuDNN, deterministic"
+                            : "2 causal GEMMs; cuDNN");
+  });
+}
+
 }  // namespace
 
 void register_attention_benchmarks() {
@@ -142,15 +205,21 @@ void register_attention_benchmarks() {
                               std::to_string(s.seq) + "_H" + std::to_string(s.heads) + "_D" +
                               std::to_string(s.head_dim);
     for (bool backward : {false, true}) {
+      const std::string pass = backward ? "backward/" : "forward/";
       for (AttentionTiling tiling : kTilings) {
         // kRows32Dkdv differs from kRows32 in the dK/dV kernel only.
         if (!backward && tiling == AttentionTiling::kRows32Dkdv) continue;
-        const std::string name = std::string("attention/") + (backward ? "backward/" : "forward/") +
-                                 attention_tiling_name(tiling) + "/" + shape;
-        configure(benchmark::RegisterBenchmark(
-            name.c_str(),
-            [s, tiling, backward](benchmark::State& st) { bm_attention(st, s, tiling, backward); }));
+        if (!c.every_tiling && tiling != default_attention_tiling(s.head_dim)) continue;
+        const std::string name = "attention/" + pass + attention_tiling_name(tiling) + "/" + shape;
+        configure(
+            benchmark::RegisterBenchmark(name.c_str(), [s, tiling, backward](benchmark::State& st) {
+              bm_attention(st, s, tiling, backward);
+            }));
       }
+      const std::string name = "attention/" + pass + "cudnn/" + shape;
+      configure(benchmark::RegisterBenchmark(name.c_str(), [s, backward](benchmark::State& st) {
+        bm_attention_cudnn(st, s, backward);
+      }));
     }
   }
 }

@@ -2,6 +2,7 @@
 # carry.sh: gathers here what the GPU machine's image lacks and has no registry to install, into
 # folders that git ignores and that a device call names in its carry (scripts/gpu-check.sh):
 #   .carry/include/dlpack/dlpack.h   DLPack's header, for the C API (Debian: libdlpack-dev)
+#   .carry/include/cudnn_frontend*   cudnn-frontend's headers, for cuDNN attention (cudnn-frontend.sh)
 #   .corpora/                        the real-text corpora of the convergence check (corpora.sh)
 # Installs the Debian packages with apt-get when missing.
 set -euo pipefail
@@ -14,5 +15,7 @@ fi
 mkdir -p .carry/include
 rm -rf .carry/include/dlpack
 cp -r /usr/include/dlpack .carry/include/
+scripts/cudnn-frontend.sh >/dev/null
 scripts/corpora.sh .corpora >/dev/null
-echo "carry.sh: .carry/include/dlpack and .corpora ready; name both in the device call's carry"
+echo "carry.sh: .carry/include (dlpack, cudnn-frontend) and .corpora ready;" \
+  "name both in the device call's carry"

@@ -32,6 +32,7 @@
 #
 # Output under $OUT (default ./out; the device tool returns 8 files, and no call runs every stage):
 #   summary.txt  build.log  tests.log  tests.json  sanitizer.log  bench.log  bench.json
+#   attention-peer.jsonl  (the bench stage, when python3 has PyTorch)
 #   convergence.md  convergence-fortunes.png  convergence-vimdoc.png  (the convergence stage)
 #
 # Environment:
@@ -56,6 +57,7 @@
 #                        does not see, as with GemmCudaAddend
 #   BENCH_TIMEOUT        seconds for octet_bench (default 240; the default set takes ~1-2 min)
 #   BENCH_FILTER         --benchmark_filter regex (default: all benchmarks)
+#   PEER_TIMEOUT         seconds for bench/peers/attention_torch.py in the bench stage (default 180)
 #   CONVERGENCE_TIMEOUT  seconds for the convergence stage (default 560)
 #   SOAK_TIMEOUT, SWEEP_TIMEOUT  seconds for the soak stage's guard soak (300) and seed sweep (400;
 #                        the sweep reports the seeds it finished); SWEEP_SEEDS (default 10) from
@@ -285,6 +287,17 @@ stage_bench() {
   record bench_rc "$rc"
   [[ $rc -eq 124 ]] && fail bench "timed out after ${BENCH_TIMEOUT}s (bench.log)"
   [[ $rc -ne 0 && $rc -ne 124 ]] && fail bench "octet_bench exited $rc (bench.log)"
+  # The peer of the attention rows: PyTorch's SDPA backends at the same shapes and FLOP counts
+  # (bench/peers/attention_torch.py), where this machine has PyTorch.
+  if python3 -c 'import torch' >/dev/null 2>&1; then
+    timeout "${PEER_TIMEOUT:-180}" python3 bench/peers/attention_torch.py \
+      >"$OUT/attention-peer.jsonl" 2>>"$OUT/bench.log"
+    rc=$?
+    [[ $rc -ne 0 ]] && fail bench "bench/peers/attention_torch.py exited $rc (bench.log)"
+  else
+    rm -f "$OUT/attention-peer.jsonl"
+    record attention_peer "not run: python3 cannot import torch"
+  fi
   record bench_seconds $(($(now) - start))
 }
 
@@ -602,6 +615,22 @@ if "bench" in stages:
             lines.append(f"  {name:<52} {ms:8.3f} ms")
     if unsupported:
         lines.append(f"  ({unsupported} skipped as unsupported by the library)")
+    # PyTorch's SDPA at the attention rows' shapes: one line per shape and pass, every backend.
+    peer = os.path.join(out, "attention-peer.jsonl")
+    if os.path.exists(peer):
+        rows = [json.loads(l) for l in open(peer) if l.startswith("{")]
+        lines.append(f"attention peer (torch {rows[0]['torch'] if rows else '?'} SDPA, "
+                     "attention-peer.jsonl):")
+        groups = {}
+        for r in rows:
+            key = f"{r['pass']}/{r['model']}/B{r['B']}_T{r['T']}_H{r['H']}_D{r['D']}"
+            groups.setdefault(key, []).append(
+                f"{r['backend']} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s" if "ms" in r
+                else f"{r['backend']} skipped")
+        for key, cells in groups.items():
+            lines.append(f"  {key:<44} " + ", ".join(cells))
+    else:
+        lines.append("attention peer: " + value.get("attention_peer", "no attention-peer.jsonl"))
 
 if "bindings" in stages:
     lines.append("bindings: pytest " + value.get("bindings_pytest", "not run"))

@@ -141,6 +141,14 @@ for o in "${wanted[@]}" "${missing_optional[@]}"; do
   check "$test" || echo "octet setup: no $what (optional; Debian package $package): $lost"
 done
 
+# cuDNN attention's frontend headers, when there is a CUDA toolkit to build it with: optional, so a
+# machine that cannot fetch them builds without that path (CMake's AUTO leaves it out).
+if [[ -x /usr/local/cuda/bin/nvcc || -n "$(command -v nvcc)" ]] &&
+  [[ "$cmake_args" != *-DOCTET_WITH_CUDA=OFF* && "$cmake_args" != *CUDNN_ATTENTION=OFF* ]]; then
+  scripts/cudnn-frontend.sh >/dev/null 2>&1 ||
+    echo "octet setup: no cudnn-frontend (pip or network failed): building without cuDNN attention"
+fi
+
 build_dir=${OCTET_BUILD_DIR:-build}
 mkdir -p "$build_dir"
 # shellcheck disable=SC2086  # OCTET_CMAKE_ARGS holds several arguments

@@ -1,9 +1,12 @@
 // Dispatcher of the attention family: validates arguments against the AttentionShape, then runs
-// the CPU or CUDA backend through dispatch() (device guard + NVTX range).
+// the CPU or CUDA backend through dispatch() (device guard + NVTX range). Also holds which CUDA
+// path is asked for (OCTET_ATTENTION, set_attention_choice); attention.cu applies it.
 #include "octet/ops/attention.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <utility>
 #include <vector>
@@ -74,6 +77,80 @@ void check_disjoint(const Tensor& a, const char* a_name, const Tensor& b, const 
 }
 
 }  // namespace
+
+// ----------------------------------------------------------------------------
+// the choice of CUDA path
+
+namespace {
+
+/// The choice set through the API, or kNoChoiceSet (then OCTET_ATTENTION decides).
+constexpr int kNoChoiceSet = -1;
+std::atomic<int> g_api_choice{kNoChoiceSet};
+
+AttentionChoice env_choice() {
+  // Read once: the choice must not change under a running model because the environment did.
+  static const AttentionChoice choice = [] {
+    const char* value = std::getenv("OCTET_ATTENTION");
+    return value == nullptr || value[0] == '\0' ? AttentionChoice::flash
+                                                : parse_attention_choice(value);
+  }();
+  return choice;
+}
+
+}  // namespace
+
+AttentionChoice parse_attention_choice(std::string_view text) {
+  AttentionChoice choice;
+  if (text == "flash") {
+    choice = AttentionChoice::flash;
+  } else if (text == "cudnn") {
+    choice = AttentionChoice::cudnn;
+  } else if (text == "auto") {
+    choice = AttentionChoice::automatic;
+  } else {
+    OCTET_ERROR("OCTET_ATTENTION: unknown attention path '", text,
+                "'; valid values: flash (default), cudnn, auto");
+  }
+  OCTET_CHECK(choice != AttentionChoice::cudnn || cudnn_attention_built(),
+              "OCTET_ATTENTION: cudnn asks for cuDNN's fused attention, but this build has none: "
+              "run scripts/cudnn-frontend.sh and configure with -DOCTET_WITH_CUDNN_ATTENTION=ON "
+              "(needs the CUDA backend and cuDNN), or ask for auto or flash");
+  return choice;
+}
+
+AttentionChoice attention_choice() {
+  const int set = g_api_choice.load();
+  return set == kNoChoiceSet ? env_choice() : static_cast<AttentionChoice>(set);
+}
+
+void set_attention_choice(AttentionChoice choice) {
+  if (choice == AttentionChoice::cudnn) parse_attention_choice("cudnn");  // throws when not built
+  g_api_choice.store(static_cast<int>(choice));
+}
+
+bool cudnn_attention_built() { return OCTET_WITH_CUDNN_ATTENTION != 0; }
+
+const char* attention_path_name(AttentionPath path) {
+  switch (path) {
+    case AttentionPath::flash:
+      return "flash";
+    case AttentionPath::cudnn:
+      return "cudnn";
+    case AttentionPath::simple:
+      return "simple";
+  }
+  return "unknown";
+}
+
+#if !OCTET_WITH_CUDA
+// With the CUDA backend, attention.cu defines it beside the calls it describes.
+AttentionPath attention_path(const Tensor& qkv, const AttentionShape& shape) {
+  OCTET_ERROR("attention_path: octet was built without CUDA, so attention has only the CPU path");
+}
+#endif
+
+// ----------------------------------------------------------------------------
+// the ops
 
 void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Tensor& out,
                        const Tensor& lse) {

@@ -1,5 +1,5 @@
 // The parity suite of causal attention and RoPE (include/octet/ops/attention.h): every backend x
-// dtype x shape against an independent double-precision reference written here (forward, lse,
+// dtype x shape against an independent double-precision reference (attention_check.h: forward, lse,
 // and the analytic gradients of backward), a finite-difference check of the CPU backward,
 // RoPE against its formula and its inverse (round trip and adjointness), bytewise repeatability,
 // and the messages of bad inputs.
@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -15,162 +16,28 @@
 #include <vector>
 
 #include "octet/fp8/format.h"
+#include "ops/attention_check.h"
 #include "ops/op_check.h"
 #include "test_util.h"
 
 namespace octet {
 namespace {
 
+using namespace testing::attention;  // the reference, tolerances and runs this suite shares
 using ops::AttentionShape;
 using testing::expect_error;
 using testing::fresh_seed;
+using testing::on;
 using testing::random_tensor;
 using testing::relative_l2;
 using testing::to_bytes;
 using testing::to_floats;
 
 // ----------------------------------------------------------------------------
-// Tolerances and inputs
+// Parity cases
 
-/// Relative L2 error bounds against the double reference, per dtype.
-struct Tolerance {
-  double out;   ///< attention output
-  double lse;   ///< log-sum-exp per query
-  double grad;  ///< dq, dk, dv
-};
-/// f32: all math in f32, sums of at most T terms, so errors stay within a few hundred float ulps
-/// (2^-24 = 6e-8) even where dS = P (dP - delta) cancels.
-constexpr Tolerance kF32Tolerance{1e-5, 1e-5, 1e-5};
-/// bf16: exact bf16 inputs, f32 accumulation; the output is rounded to bf16 (2^-9 relative,
-/// ~1e-3 in L2), and the CUDA kernels also round P and dS to bf16 for the tensor-core products.
-/// lse is never rounded to bf16, so it keeps f32's bound.
-constexpr Tolerance kBf16Tolerance{1e-2, 1e-5, 1e-2};
-
-/// qkv values are uniform in [-kQkvRange, kQkvRange]: scores q.k/sqrt(D) then have a standard
-/// deviation of kQkvRange^2/3 = 1.3, so softmax rows are peaked, not flat.
-constexpr float kQkvRange = 2.0f;
 /// The RoPE base of GPT-NeoX and Llama.
 constexpr float kRopeTheta = 10000.0f;
-/// Heads whose reference costs more than this many multiply-adds in total are sampled (three
-/// heads) instead of checked all.
-constexpr double kFullCheckBudget = 2e8;
-
-const Tolerance& tolerance(DType dtype) {
-  return dtype == DType::bf16 ? kBf16Tolerance : kF32Tolerance;
-}
-
-Tensor on(const Tensor& t, const Device& device) { return t.device() == device ? t : t.to(device); }
-
-/// [B*T, 3*H*D] and [B*T, H*D] element indices, and [B, H, T] for lse.
-struct Index {
-  const AttentionShape& s;
-  int64_t qkv(int64_t part, int64_t b, int64_t t, int64_t h) const {
-    return (b * s.seq + t) * 3 * s.heads * s.head_dim + (part * s.heads + h) * s.head_dim;
-  }
-  int64_t out(int64_t b, int64_t t, int64_t h) const {
-    return (b * s.seq + t) * s.heads * s.head_dim + h * s.head_dim;
-  }
-  int64_t lse(int64_t b, int64_t h, int64_t t) const { return (b * s.heads + h) * s.seq + t; }
-};
-constexpr int64_t kQ = 0, kK = 1, kV = 2;
-
-// ----------------------------------------------------------------------------
-// The double-precision reference, one head at a time
-
-/// One head's forward (and optionally backward) in double, straight from the definitions:
-/// P = softmax(mask(Q K^T / sqrt(D))), O = P V, lse = log sum exp; dV = P^T dO, dP = dO V^T,
-/// dS = P o (dP - rowsum(P o dP)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D).
-struct HeadReference {
-  std::vector<double> out, lse, dq, dk, dv;  ///< [T, D] (lse [T])
-};
-
-HeadReference reference_head(const std::vector<float>& qkv, const std::vector<float>* dout,
-                             const AttentionShape& s, int64_t b, int64_t h) {
-  const Index at{s};
-  const int64_t T = s.seq, D = s.head_dim;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  const auto x = [&](int64_t part, int64_t t, int64_t d) {
-    return static_cast<double>(qkv[at.qkv(part, b, t, h) + d]);
-  };
-  HeadReference r;
-  r.out.assign(T * D, 0.0);
-  r.lse.assign(T, 0.0);
-  std::vector<double> p(T * T, 0.0);  // row i holds P_ij for j <= i
-  for (int64_t i = 0; i < T; ++i) {
-    double max_score = -INFINITY;
-    for (int64_t j = 0; j <= i; ++j) {
-      double dot = 0;
-      for (int64_t d = 0; d < D; ++d) dot += x(kQ, i, d) * x(kK, j, d);
-      p[i * T + j] = dot * scale;
-      max_score = std::max(max_score, p[i * T + j]);
-    }
-    double sum = 0;
-    for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[i * T + j] - max_score);
-    r.lse[i] = max_score + std::log(sum);
-    for (int64_t j = 0; j <= i; ++j) {
-      p[i * T + j] = std::exp(p[i * T + j] - r.lse[i]);
-      for (int64_t d = 0; d < D; ++d) r.out[i * D + d] += p[i * T + j] * x(kV, j, d);
-    }
-  }
-  if (dout == nullptr) return r;
-
-  const auto g = [&](int64_t t, int64_t d) {
-    return static_cast<double>((*dout)[at.out(b, t, h) + d]);
-  };
-  r.dq.assign(T * D, 0.0);
-  r.dk.assign(T * D, 0.0);
-  r.dv.assign(T * D, 0.0);
-  std::vector<double> ds(T);
-  for (int64_t i = 0; i < T; ++i) {
-    double row = 0;  // rowsum(P o dP)
-    for (int64_t j = 0; j <= i; ++j) {
-      double dp = 0;
-      for (int64_t d = 0; d < D; ++d) dp += g(i, d) * x(kV, j, d);
-      ds[j] = dp;
-      row += p[i * T + j] * dp;
-    }
-    for (int64_t j = 0; j <= i; ++j) {
-      const double pij = p[i * T + j];
-      const double dsij = pij * (ds[j] - row);
-      for (int64_t d = 0; d < D; ++d) {
-        r.dq[i * D + d] += dsij * x(kK, j, d) * scale;
-        r.dk[j * D + d] += dsij * x(kQ, i, d) * scale;
-        r.dv[j * D + d] += pij * g(i, d);
-      }
-    }
-  }
-  return r;
-}
-
-/// (b, h) pairs to check: all of them, or three when the reference would be too slow.
-std::vector<std::pair<int64_t, int64_t>> heads_to_check(const AttentionShape& s) {
-  const double cost = static_cast<double>(s.batch) * s.heads * s.seq * s.seq * s.head_dim;
-  std::vector<std::pair<int64_t, int64_t>> heads;
-  if (cost <= kFullCheckBudget) {
-    for (int64_t b = 0; b < s.batch; ++b)
-      for (int64_t h = 0; h < s.heads; ++h) heads.push_back({b, h});
-  } else {
-    heads = {{0, 0}, {s.batch / 2, s.heads / 2}, {s.batch - 1, s.heads - 1}};
-  }
-  return heads;
-}
-
-/// Appends one head's [T, D] block of a token matrix (qkv part `part`, or out when part < 0).
-void gather_head(const std::vector<float>& m, const AttentionShape& s, int64_t part, int64_t b,
-                 int64_t h, std::vector<float>& into) {
-  const Index at{s};
-  for (int64_t t = 0; t < s.seq; ++t) {
-    const int64_t base = part < 0 ? at.out(b, t, h) : at.qkv(part, b, t, h);
-    into.insert(into.end(), m.begin() + base, m.begin() + base + s.head_dim);
-  }
-}
-
-void append(const std::vector<double>& values, std::vector<float>& into) {
-  for (double v : values) into.push_back(static_cast<float>(v));
-}
-
-// ----------------------------------------------------------------------------
-// Running the op
 
 struct Case {
   Device backend;
@@ -186,27 +53,6 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
          std::to_string(c.shape.head_dim);
 }
 
-Shape qkv_shape(const AttentionShape& s) { return {s.batch * s.seq, 3 * s.heads * s.head_dim}; }
-Shape out_shape(const AttentionShape& s) { return {s.batch * s.seq, s.heads * s.head_dim}; }
-Shape lse_shape(const AttentionShape& s) { return {s.batch, s.heads, s.seq}; }
-
-/// Forward (and backward when dout is given) on the tensors' device.
-struct Result {
-  Tensor out, lse, dqkv;
-};
-Result run(const Tensor& qkv, const Tensor* dout, const AttentionShape& s) {
-  const Device device = qkv.device();
-  Result r;
-  r.out = Tensor::empty(out_shape(s), qkv.dtype(), device);
-  r.lse = Tensor::empty(lse_shape(s), DType::f32, device);
-  ops::attention_forward(qkv, s, r.out, r.lse);
-  if (dout != nullptr) {
-    r.dqkv = Tensor::empty(qkv_shape(s), qkv.dtype(), device);
-    ops::attention_backward(*dout, qkv, r.out, r.lse, s, r.dqkv);
-  }
-  return r;
-}
-
 class AttentionParity : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AttentionParity, ForwardMatchesReference) {
@@ -215,21 +61,9 @@ TEST_P(AttentionParity, ForwardMatchesReference) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const Tensor qkv_host = random_tensor(qkv_shape(s), dtype, seed, kQkvRange);
-  const Result r = run(on(qkv_host, device), nullptr, s);
-
-  const std::vector<float> qkv = to_floats(qkv_host), out = to_floats(r.out),
-                           lse = to_floats(r.lse);
-  std::vector<float> got_out, want_out, got_lse, want_lse;
-  for (const auto& [b, h] : heads_to_check(s)) {
-    const HeadReference ref = reference_head(qkv, nullptr, s, b, h);
-    gather_head(out, s, -1, b, h, got_out);
-    append(ref.out, want_out);
-    for (int64_t t = 0; t < s.seq; ++t) got_lse.push_back(lse[Index{s}.lse(b, h, t)]);
-    append(ref.lse, want_lse);
-  }
-  const Tolerance& tol = tolerance(dtype);
-  EXPECT_LE(relative_l2(got_out, want_out), tol.out);
-  EXPECT_LE(relative_l2(got_lse, want_lse), tol.lse);
+  const ForwardErrors errors = forward_errors(qkv_host, run(on(qkv_host, device), nullptr, s), s);
+  EXPECT_LE(errors.out, tolerance(dtype).out);
+  EXPECT_LE(errors.lse, tolerance(dtype).lse);
 }
 
 TEST_P(AttentionParity, BackwardMatchesReferenceGradients) {
@@ -240,22 +74,12 @@ TEST_P(AttentionParity, BackwardMatchesReferenceGradients) {
   const Tensor qkv_host = random_tensor(qkv_shape(s), dtype, seed, kQkvRange);
   const Tensor dout_host = random_tensor(out_shape(s), dtype, seed + 1);
   const Tensor dout = on(dout_host, device);
-  const Result r = run(on(qkv_host, device), &dout, s);
-
-  const std::vector<float> qkv = to_floats(qkv_host), g = to_floats(dout_host),
-                           dqkv = to_floats(r.dqkv);
-  std::vector<float> got[3], want[3];
-  for (const auto& [b, h] : heads_to_check(s)) {
-    const HeadReference ref = reference_head(qkv, &g, s, b, h);
-    for (int64_t part : {kQ, kK, kV}) gather_head(dqkv, s, part, b, h, got[part]);
-    append(ref.dq, want[kQ]);
-    append(ref.dk, want[kK]);
-    append(ref.dv, want[kV]);
-  }
+  const std::array<double, 3> errors =
+      backward_errors(qkv_host, dout_host, run(on(qkv_host, device), &dout, s), s);
   const char* names[3] = {"dq", "dk", "dv"};
   for (int64_t part : {kQ, kK, kV}) {
     SCOPED_TRACE(names[part]);
-    EXPECT_LE(relative_l2(got[part], want[part]), tolerance(dtype).grad);
+    EXPECT_LE(errors[part], tolerance(dtype).grad);
   }
 }
 
@@ -360,14 +184,7 @@ TEST_P(AttentionParity, RunsAreBitwiseRepeatable) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   const Tensor qkv = on(random_tensor(qkv_shape(s), dtype, seed, kQkvRange), device);
   const Tensor dout = on(random_tensor(out_shape(s), dtype, seed + 1), device);
-  const Result first = run(qkv, &dout, s);
-  for (const float v : to_floats(first.dqkv)) ASSERT_TRUE(std::isfinite(v));
-  for (int repeat = 1; repeat < 3; ++repeat) {
-    const Result again = run(qkv, &dout, s);
-    EXPECT_EQ(to_bytes(first.out), to_bytes(again.out)) << "out, run " << repeat;
-    EXPECT_EQ(to_bytes(first.lse), to_bytes(again.lse)) << "lse, run " << repeat;
-    EXPECT_EQ(to_bytes(first.dqkv), to_bytes(again.dqkv)) << "dqkv, run " << repeat;
-  }
+  expect_bitwise_repeatable(qkv, dout, s);
 }
 
 std::vector<Case> parity_cases() {

@@ -27,10 +27,14 @@
 // against ~120 ms for the model's GEMMs (6 * 1.56e9 params * 8192 tokens = 77 TFLOP at ~650
 // TFLOPS), about a quarter of the step.
 //
+// A third path, cuDNN's fused SDPA (attention_cudnn.cc), runs instead where OCTET_ATTENTION or
+// set_attention_choice asks for it (ops::attention_choice()) and the call fits it.
+//
 // Files: this one holds the entry points, which pick the path, and the row term delta that
-// both backwards use; attention_flash.{cuh,cu} the tensor-core kernels (on the mma.sync,
-// ldmatrix and cp.async helpers of mma_util.cuh); attention_simple.cu the CUDA-core kernels;
-// attention_common.cuh what they share. RoPE is in rope.cu.
+// the flash and simple backwards use; attention_flash.{cuh,cu} the tensor-core kernels (on the
+// mma.sync, ldmatrix and cp.async helpers of mma_util.cuh); attention_simple.cu the CUDA-core
+// kernels; attention_common.cuh what they share; attention_cudnn.{h,cc} the cuDNN path. RoPE is
+// in rope.cu.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,6 +42,7 @@
 #include "octet/core/cuda_context.h"
 #include "ops/attention_backend.h"
 #include "ops/cuda/attention_common.cuh"
+#include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/launch_util.cuh"
 
 namespace octet::ops::cuda {
@@ -107,6 +112,20 @@ void check_cuda_shape(const AttentionShape& s, const char* op) {
               ": the CUDA backend supports head_dim <= ", kMaxHeadDim, ", got ", s.head_dim);
 }
 
+/// The path under attention_choice(): cuDNN when chosen and the call fits it (under auto, only
+/// where cuDNN also builds a plan: `cudnn_builds`, asked only then; under cudnn a refusal is the
+/// call's error), else what the library ran before cuDNN was a choice: flash where it fits,
+/// simple elsewhere.
+template <typename CudnnBuilds>
+AttentionPath choose_path(bool flash_fits, bool cudnn_fits, CudnnBuilds&& cudnn_builds) {
+  const AttentionChoice choice = attention_choice();
+  if (choice != AttentionChoice::flash && cudnn_fits &&
+      (choice == AttentionChoice::cudnn || cudnn_builds())) {
+    return AttentionPath::cudnn;
+  }
+  return flash_fits ? AttentionPath::flash : AttentionPath::simple;
+}
+
 template <typename Elem>
 void compute_delta(const Tensor& dout, const Tensor& out, const Tensor& delta,
                    const AttentionShape& s, cudaStream_t stream) {
@@ -154,10 +173,18 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
-  if (use_tensor_cores(shape, qkv.dtype(), {&qkv, &out})) {
-    attention_forward_flash(qkv, shape, out, lse, scale, stream);
-  } else {
-    attention_forward_simple(qkv, shape, out, lse, scale, stream);
+  const auto cudnn_builds = [&] { return cudnn_attention_builds(device, shape, false, scale); };
+  switch (choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &out}),
+                      cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out}), cudnn_builds)) {
+    case AttentionPath::cudnn:
+      attention_forward_cudnn(qkv, shape, out, lse, scale, stream);
+      break;
+    case AttentionPath::flash:
+      attention_forward_flash(qkv, shape, out, lse, scale, stream);
+      break;
+    case AttentionPath::simple:
+      attention_forward_simple(qkv, shape, out, lse, scale, stream);
+      break;
   }
 }
 
@@ -168,8 +195,17 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
   const float scale = softmax_scale(shape);
+  const auto cudnn_builds = [&] { return cudnn_attention_builds(device, shape, true, scale); };
+  const AttentionPath path =
+      choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv}),
+                  cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out, &dout, &dqkv}),
+                  cudnn_builds);
+  if (path == AttentionPath::cudnn) {  // cuDNN computes its own row term
+    attention_backward_cudnn(dout, qkv, out, lse, shape, dqkv, scale, stream);
+    return;
+  }
   const Tensor delta = attention_row_delta(dout, out, shape, stream);
-  if (use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv})) {
+  if (path == AttentionPath::flash) {
     attention_backward_flash(dout, qkv, lse, delta, shape, dqkv, scale, stream);
   } else {
     attention_backward_simple(dout, qkv, lse, delta, shape, dqkv, scale, stream);
@@ -177,3 +213,18 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
 }
 
 }  // namespace octet::ops::cuda
+
+namespace octet::ops {
+
+AttentionPath attention_path(const Tensor& qkv, const AttentionShape& shape) {
+  OCTET_CHECK(qkv.defined() && qkv.device().is_cuda(),
+              "attention_path: the CUDA paths need qkv on a CUDA device, got ", qkv.describe());
+  DeviceGuard guard(qkv.device());  // a graph built for auto is built on qkv's device
+  const auto cudnn_builds = [&] {
+    return cuda::cudnn_attention_builds(qkv.device(), shape, false, cuda::softmax_scale(shape));
+  };
+  return cuda::choose_path(cuda::use_tensor_cores(shape, qkv.dtype(), {&qkv}),
+                           cuda::cudnn_attention_fits(shape, qkv.dtype(), {&qkv}), cudnn_builds);
+}
+
+}  // namespace octet::ops

@@ -1,0 +1,79 @@
+"""PyTorch's causal attention rates on this GPU, as a peer for octet_bench's attention rows.
+
+torch.nn.functional.scaled_dot_product_attention (bf16, is_causal=True) under each backend of
+torch.nn.attention.sdpa_kernel: cuDNN, FlashAttention and memory-efficient attention. Q, K and V are
+strided views of one packed [B, T, 3, H, D] tensor, the layout octet's attention reads, so no backend
+gets a copy made for it. Passes: forward; backward alone (torch.autograd.grad on a kept graph); and
+forward + backward. Shapes and FLOP counts are those of bench/attention_bench.cc: the causal half
+only, 2 GEMMs forward and 5 backward (FlashAttention-2's convention), 7 for the pair, each GEMM
+2*B*H*T^2*D/2 flops. CUDA-event timing, median of 20 after 5 warm-ups (gemm_torch.median_ms).
+One JSON line per (shape, backend, pass); a backend that refuses a shape gets a line with "skipped".
+"""
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gemm_torch import median_ms
+
+# (model, B, T, H, D), as in attention_bench.cc's kCases.
+SHAPES = [("gpt2_1.5b", 8, 1024, 25, 64), ("gpt2_124m", 8, 1024, 12, 64),
+          ("gpt2_1.5b", 2, 4096, 25, 64), ("gpt2_124m", 2, 4096, 12, 64)]
+BACKENDS = [("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION)]
+# Causal-half GEMMs per pass, as attention_bench.cc counts them.
+GEMMS = {"forward": 2, "backward": 5, "forward+backward": 7}
+
+
+def causal_gemm_flops(b, t, h, d):
+    return 2.0 * b * h * t * t * d / 2
+
+
+def packed_qkv(b, t, h, d):
+    """q, k, v as [B, H, T, D] views of one [B, T, 3, H, D] tensor, uniform in [-1, 1] like
+    attention_bench.cc's inputs, requiring grad."""
+    qkv = torch.rand(b, t, 3, h, d, device="cuda", dtype=torch.bfloat16) * 2 - 1
+    qkv.requires_grad_(True)
+    return [qkv[:, :, part].transpose(1, 2) for part in range(3)], qkv
+
+
+def measure(b, t, h, d):
+    """{pass: ms} under the active backend."""
+    (q, k, v), qkv = packed_qkv(b, t, h, d)
+    dout = torch.rand(b, h, t, d, device="cuda", dtype=torch.bfloat16) * 2 - 1
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    out = forward()  # raises here when the backend refuses the shape
+    times = {"forward": median_ms(forward)}
+    times["backward"] = median_ms(lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True))
+    times["forward+backward"] = median_ms(lambda: torch.autograd.grad(forward(), qkv, dout))
+    return times
+
+
+def main():
+    for model, b, t, h, d in SHAPES:
+        flops = causal_gemm_flops(b, t, h, d)
+        for name, backend in BACKENDS:
+            row = {"model": model, "B": b, "T": t, "H": h, "D": d, "backend": name,
+                   "torch": torch.__version__}
+            try:
+                with sdpa_kernel(backend):
+                    times = measure(b, t, h, d)
+            except RuntimeError as e:
+                for pass_name in GEMMS:
+                    print(json.dumps({**row, "pass": pass_name,
+                                      "skipped": str(e).splitlines()[0][:200]}), flush=True)
+                continue
+            for pass_name, ms in times.items():
+                pass_flops = GEMMS[pass_name] * flops
+                print(json.dumps({**row, "pass": pass_name, "ms": ms,
+                                  "tflops": pass_flops / ms / 1e9, "flops": pass_flops}),
+                      flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
