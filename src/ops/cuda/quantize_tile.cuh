@@ -373,19 +373,13 @@ __device__ __forceinline__ void quantize_tile(const TileParams& p, const Source&
   if (p.amax != nullptr) publish_amax<kTileThreads>(amax_bits, p.amax, scratch);
 }
 
-/// CTAs per SM that the tile kernels' registers must allow (64 a thread): each CTA keeps one
-/// tile's loads in flight, so the bytes in flight per SM, and with them the bandwidth, scale with
-/// the CTAs that fit. Unbounded, the block modes take 80 registers (3 CTAs per SM), and the
-/// group kernel's bf16 sources 80-115 (its matrix parameters are indexed loads, not constants).
-inline constexpr int kTileCtasPerSm = 4;
-
 /// One CTA per tile of the matrix (blockIdx.x = tile). Traffic per bf16 element: 2 B read, 1 B per
 /// copy written (4 B with both copies; 6 B for f32), all as 16-byte coalesced accesses; shared
 /// memory is bank-conflict-free (TileLayout). Expect >= 85% of copy bandwidth for per-tensor
 /// cast-transpose and >= 75% for the block modes at large aligned shapes; edge tiles and unaligned
 /// shapes take the element-wise fallbacks.
 template <typename T, ScalingMode kMode, DType kFp8, typename Source>
-__global__ void __launch_bounds__(kTileThreads, kTileCtasPerSm)
+__global__ void __launch_bounds__(kTileThreads)
     quantize_tile_kernel(const TileParams p, const Source source) {
   extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
   __shared__ uint32_t scratch[kTileWarps];
@@ -407,8 +401,13 @@ struct TileGroup {
   int count;
 };
 
+/// CTAs per SM that the group kernel's registers must allow (64 a thread). Unbounded, bf16
+/// sources take 80-115: a matrix's parameters are indexed loads there, not the constant operands
+/// of the one-matrix kernel, which would leave 2 CTAs per SM.
+inline constexpr int kTileGroupCtasPerSm = 4;
+
 template <typename T, ScalingMode kMode, DType kFp8, typename Source>
-__global__ void __launch_bounds__(kTileThreads, kTileCtasPerSm)
+__global__ void __launch_bounds__(kTileThreads, kTileGroupCtasPerSm)
     quantize_tile_group_kernel(const __grid_constant__ TileGroup<Source> group) {
   extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
   __shared__ uint32_t scratch[kTileWarps];
