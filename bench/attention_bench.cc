@@ -66,7 +66,7 @@ double causal_gemm_flops(const ops::AttentionShape& s) {
 std::vector<float> host_floats(const Tensor& t) {
   if (t.dtype() == DType::f32) return host_values_f32(t);
   const Tensor host = t.to(Device::cpu());
-  const uint16_t* bits = host.data<uint16_t>();
+  const auto* bits = static_cast<const uint16_t*>(host.raw_data());  // bf16 bits
   std::vector<float> values(host.numel());
   for (int64_t i = 0; i < host.numel(); ++i) values[i] = fp8::decode_bf16(bits[i]);
   return values;
