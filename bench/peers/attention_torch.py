@@ -3,7 +3,10 @@
 torch.nn.functional.scaled_dot_product_attention (bf16, is_causal=True) under each backend of
 torch.nn.attention.sdpa_kernel: cuDNN, FlashAttention and memory-efficient attention. Q, K and V are
 strided views of one packed [B, T, 3, H, D] tensor, the layout octet's attention reads, so no backend
-gets a copy made for it. Passes: forward; backward alone (torch.autograd.grad on a kept graph); and
+gets a copy made for it. Each view is detached into a leaf of its own (same storage, same strides):
+the gradients are then the backend's dq, dk and dv, with no autograd pass that assembles a dqkv
+from three zero-filled copies of qkv (octet's backward writes dqkv in place, so timing that assembly
+would flatter octet). Passes: forward; backward alone (torch.autograd.grad on a kept graph); and
 forward + backward. Shapes and FLOP counts are those of bench/attention_bench.cc: the causal half
 only, 2 GEMMs forward and 5 backward (FlashAttention-2's convention), 7 for the pair, each GEMM
 2*B*H*T^2*D/2 flops. CUDA-event timing, median of 20 after 5 warm-ups (gemm_torch.median_ms).
@@ -32,15 +35,14 @@ def causal_gemm_flops(b, t, h, d):
 
 def packed_qkv(b, t, h, d):
     """q, k, v as [B, H, T, D] views of one [B, T, 3, H, D] tensor, uniform in [-1, 1] like
-    attention_bench.cc's inputs, requiring grad."""
+    attention_bench.cc's inputs, each a leaf requiring grad."""
     qkv = torch.rand(b, t, 3, h, d, device="cuda", dtype=torch.bfloat16) * 2 - 1
-    qkv.requires_grad_(True)
-    return [qkv[:, :, part].transpose(1, 2) for part in range(3)], qkv
+    return [qkv[:, :, part].transpose(1, 2).detach().requires_grad_(True) for part in range(3)]
 
 
 def measure(b, t, h, d):
     """{pass: ms} under the active backend."""
-    (q, k, v), qkv = packed_qkv(b, t, h, d)
+    q, k, v = packed_qkv(b, t, h, d)
     dout = torch.rand(b, h, t, d, device="cuda", dtype=torch.bfloat16) * 2 - 1
 
     def forward():
@@ -48,8 +50,9 @@ def measure(b, t, h, d):
 
     out = forward()  # raises here when the backend refuses the shape
     times = {"forward": median_ms(forward)}
-    times["backward"] = median_ms(lambda: torch.autograd.grad(out, qkv, dout, retain_graph=True))
-    times["forward+backward"] = median_ms(lambda: torch.autograd.grad(forward(), qkv, dout))
+    times["backward"] = median_ms(
+        lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    times["forward+backward"] = median_ms(lambda: torch.autograd.grad(forward(), (q, k, v), dout))
     return times
 
 
