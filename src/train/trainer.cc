@@ -17,6 +17,7 @@
 #include "octet/core/profiler.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/fusion.h"
+#include "octet/ops/attention.h"
 #include "octet/ops/gemm.h"
 #include "octet/ops/optimizer.h"
 #include "octet/train/checkpoint.h"
@@ -33,6 +34,19 @@
 
 namespace octet::train {
 namespace {
+
+/// OCTET_ATTENTION's spelling of the process's attention choice.
+const char* attention_choice_name() {
+  switch (ops::attention_choice()) {
+    case ops::AttentionChoice::cudnn:
+      return "cudnn";
+    case ops::AttentionChoice::automatic:
+      return "auto";
+    case ops::AttentionChoice::flash:
+      break;
+  }
+  return "flash";
+}
 
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -373,6 +387,9 @@ void train(const TrainOptions& options) {
     if (nn::disabled_fusions() != "none")
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                   nn::disabled_fusions().c_str());
+    if (device.is_cuda() && ops::attention_choice() != ops::AttentionChoice::flash)
+      std::printf("  attention: %s (OCTET_ATTENTION; cuDNN's fused SDPA where it takes the shape)\n",
+                  attention_choice_name());
     const std::string lr_origin =
         options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
     std::printf(
@@ -540,7 +557,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                            .workspace = gib_of(ops::gemm_workspace_bytes(device))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing),
-                          nn::disabled_fusions()};
+                          nn::disabled_fusions(),
+                          attention_choice_name()};
   print_train_bench(result);
 }
 

@@ -88,6 +88,8 @@ TEST(Cli, BenchTrainFp8PeakActivationsStayWellBelowBf16s) {
   // The line says which fusions were off, so runs of one precision tell themselves apart.
   EXPECT_EQ(fp8.at("unfused"), "none");
   EXPECT_EQ(kept.at("unfused"), "input-recast");
+  // ... and which attention choice ran (OCTET_ATTENTION, unset here: the default).
+  EXPECT_EQ(fp8.at("attention"), "flash");
   EXPECT_LT(fp8.at("peak_gib").get<double>(), bf16.at("peak_gib").get<double>());
 }
 
