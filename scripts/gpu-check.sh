@@ -40,6 +40,11 @@
 #   BUILD_DIR            build folder (default build-gpu)
 #   JOBS                 build parallelism (default 16: the H200 machine's cores)
 #   TEST_TIMEOUT         seconds for the whole test suite (default 240)
+#   TEST_SHARDS, TEST_SHARD  run shard TEST_SHARD (0-based) of TEST_SHARDS (GoogleTest's sharding:
+#                        every test in exactly one shard). The suite outgrew one call with the
+#                        build (about 370 s of tests after a 150 s build): run
+#                        `TEST_SHARDS=2 TEST_SHARD=0 scripts/gpu-check.sh build test`, then
+#                        `TEST_SHARDS=2 TEST_SHARD=1 scripts/gpu-check.sh test` on the warm machine
 #   SANITIZER_TIMEOUT    seconds per sanitizer tool (default 180: racecheck took more than 80 s
 #                        with the MoE cases; memcheck, synccheck and initcheck about 10 s)
 #   SANITIZER_FILTER     gtest filter for the sanitizer runs, replacing the automatic selection
@@ -146,7 +151,13 @@ stage_test() {
     return
   fi
   rm -f "$OUT/tests.json"
-  timeout "$TEST_TIMEOUT" "$TESTS_BIN" --gtest_output="json:$OUT/tests.json" >"$OUT/tests.log" 2>&1
+  local shard=()
+  if [[ -n "${TEST_SHARDS:-}" ]]; then
+    shard=(env GTEST_TOTAL_SHARDS="$TEST_SHARDS" GTEST_SHARD_INDEX="${TEST_SHARD:-0}")
+    record test_shard "${TEST_SHARD:-0} of $TEST_SHARDS"
+  fi
+  timeout "$TEST_TIMEOUT" "${shard[@]}" "$TESTS_BIN" --gtest_output="json:$OUT/tests.json" \
+    >"$OUT/tests.log" 2>&1
   rc=$?
   record test_rc "$rc"
   [[ $rc -eq 124 ]] && fail test "timed out after ${TEST_TIMEOUT}s (tests.log)"
@@ -540,7 +551,8 @@ if "test" in stages:
                     skipped += 1
                 else:
                     passed += 1
-        lines.append(f"tests: {passed} passed, {failed} failed, {skipped} skipped")
+        shard = f" (shard {value['test_shard']})" if "test_shard" in value else ""
+        lines.append(f"tests{shard}: {passed} passed, {failed} failed, {skipped} skipped")
         for name in failed_names[:10]:
             lines.append("  FAILED " + name)
         if len(failed_names) > 10:
