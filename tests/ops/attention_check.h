@@ -220,10 +220,10 @@ inline std::array<double, 3> backward_errors(const Tensor& qkv_host, const Tenso
 /// Expects every gradient finite and three forward + backward runs equal as bytes (out, lse and
 /// every gradient).
 inline void expect_bitwise_repeatable(const Tensor& qkv, const Tensor& dout,
-                                      const AttentionShape& s) {
+                                      const AttentionShape& s, int runs = 3) {
   const Result first = run(qkv, &dout, s);
   for (const float v : to_floats(first.dqkv)) ASSERT_TRUE(std::isfinite(v));
-  for (int repeat = 1; repeat < 3; ++repeat) {
+  for (int repeat = 1; repeat < runs; ++repeat) {
     const Result again = run(qkv, &dout, s);
     EXPECT_EQ(to_bytes(first.out), to_bytes(again.out)) << "out, run " << repeat;
     EXPECT_EQ(to_bytes(first.lse), to_bytes(again.lse)) << "lse, run " << repeat;

@@ -184,6 +184,22 @@ INSTANTIATE_TEST_SUITE_P(Ops, CudnnAttention,
                                            AttentionShape{2, 96, 2, 96}),
                          shape_name);
 
+/// The deterministic backward at a training shape (GPT-2 1.5B's heads, 8 x 1024 tokens), where its
+/// dQ runs through the dP workspace over many CTAs: a float-atomic dQ would differ between some
+/// of these runs. 8 runs (OCTET_TEST_REPEATS overrides); left out under OCTET_TEST_SMALL.
+TEST(CudnnAttentionFieldShape, BackwardRepeatsByteForByte) {
+  OCTET_SKIP_WITHOUT_CUDNN_ATTENTION();
+  if (testing::small_tests_only()) GTEST_SKIP() << "OCTET_TEST_SMALL: a training shape";
+  const ScopedAttentionChoice cudnn(AttentionChoice::cudnn);
+  const AttentionShape s{8, 1024, 25, 64};
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  const Tensor qkv = on(random_tensor(qkv_shape(s), DType::bf16, seed, kQkvRange), kGpu);
+  const Tensor dout = on(random_tensor(out_shape(s), DType::bf16, seed + 1), kGpu);
+  ASSERT_EQ(ops::attention_path(qkv, s), AttentionPath::cudnn);
+  expect_bitwise_repeatable(qkv, dout, s, testing::repeats(8));
+}
+
 TEST(CudnnAttentionPath, FallsBackWhereCudnnCannotTakeTheCall) {
   OCTET_SKIP_WITHOUT_CUDNN_ATTENTION();
   const auto path = [](DType dtype, const AttentionShape& s) {
