@@ -87,6 +87,14 @@ namespace {
 constexpr int kNoChoiceSet = -1;
 std::atomic<int> g_api_choice{kNoChoiceSet};
 
+/// Throws unless this build has the cuDNN path, naming the remedy.
+void require_cudnn_built() {
+  OCTET_CHECK(cudnn_attention_built(),
+              "OCTET_ATTENTION: cudnn asks for cuDNN's fused attention, but this build has none: "
+              "run scripts/cudnn-frontend.sh and configure with -DOCTET_WITH_CUDNN_ATTENTION=ON "
+              "(needs the CUDA backend and cuDNN), or ask for auto or flash");
+}
+
 AttentionChoice env_choice() {
   // Read once: the choice must not change under a running model because the environment did.
   static const AttentionChoice choice = [] {
@@ -111,11 +119,20 @@ AttentionChoice parse_attention_choice(std::string_view text) {
     OCTET_ERROR("OCTET_ATTENTION: unknown attention path '", text,
                 "'; valid values: flash (default), cudnn, auto");
   }
-  OCTET_CHECK(choice != AttentionChoice::cudnn || cudnn_attention_built(),
-              "OCTET_ATTENTION: cudnn asks for cuDNN's fused attention, but this build has none: "
-              "run scripts/cudnn-frontend.sh and configure with -DOCTET_WITH_CUDNN_ATTENTION=ON "
-              "(needs the CUDA backend and cuDNN), or ask for auto or flash");
+  if (choice == AttentionChoice::cudnn) require_cudnn_built();
   return choice;
+}
+
+const char* attention_choice_name(AttentionChoice choice) {
+  switch (choice) {
+    case AttentionChoice::flash:
+      return "flash";
+    case AttentionChoice::cudnn:
+      return "cudnn";
+    case AttentionChoice::automatic:
+      return "auto";
+  }
+  return "unknown";
 }
 
 AttentionChoice attention_choice() {
@@ -124,7 +141,7 @@ AttentionChoice attention_choice() {
 }
 
 void set_attention_choice(AttentionChoice choice) {
-  if (choice == AttentionChoice::cudnn) parse_attention_choice("cudnn");  // throws when not built
+  if (choice == AttentionChoice::cudnn) require_cudnn_built();
   g_api_choice.store(static_cast<int>(choice));
 }
 

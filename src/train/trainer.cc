@@ -35,19 +35,6 @@
 namespace octet::train {
 namespace {
 
-/// OCTET_ATTENTION's spelling of the process's attention choice.
-const char* attention_choice_name() {
-  switch (ops::attention_choice()) {
-    case ops::AttentionChoice::cudnn:
-      return "cudnn";
-    case ops::AttentionChoice::automatic:
-      return "auto";
-    case ops::AttentionChoice::flash:
-      break;
-  }
-  return "flash";
-}
-
 namespace fs = std::filesystem;
 using nlohmann::json;
 
@@ -132,21 +119,23 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
   // injected gradient fault is written after the backward, so then they all start after it.
   GradientReadyHook* buckets = dp.gradient_hook(s.params, o.grad_bucket_mb);
   if (!o.inject.empty()) buckets = nullptr;
-  struct HookReset {
-    GPT& model;
-    ~HookReset() { model.set_gradient_ready_hook(nullptr); }
-  } hook_reset{*s.model};
-  for (int64_t micro = 0; micro < o.accum; ++micro) {
-    Batch b = data.next_batch(static_cast<int>(o.batch), static_cast<int>(o.seq));
-    if (!dp.owns(micro, o.accum)) continue;  // another rank's: read only to keep the stream
-    checks.before_microbatch(step, micro);
-    if (dp.last_owned(micro, o.accum)) s.model->set_gradient_ready_hook(buckets);
-    r.loss += s.model->train_microbatch(b.inputs.view({-1}), b.targets.view({-1}), o.batch, o.seq,
-                                        1.0f / static_cast<float>(o.accum));
-    if (checks.guarding()) s.model->settle_grads();  // the guard reads them now
-    checks.after_microbatch(step, micro);
+  {
+    // The hook is the microbatches' only, also when one throws.
+    struct HookReset {
+      GPT& model;
+      ~HookReset() { model.set_gradient_ready_hook(nullptr); }
+    } hook_reset{*s.model};
+    for (int64_t micro = 0; micro < o.accum; ++micro) {
+      Batch b = data.next_batch(static_cast<int>(o.batch), static_cast<int>(o.seq));
+      if (!dp.owns(micro, o.accum)) continue;  // another rank's: read only to keep the stream
+      checks.before_microbatch(step, micro);
+      if (dp.last_owned(micro, o.accum)) s.model->set_gradient_ready_hook(buckets);
+      r.loss += s.model->train_microbatch(b.inputs.view({-1}), b.targets.view({-1}), o.batch,
+                                          o.seq, 1.0f / static_cast<float>(o.accum));
+      if (checks.guarding()) s.model->settle_grads();  // the guard reads them now
+      checks.after_microbatch(step, micro);
+    }
   }
-  s.model->set_gradient_ready_hook(nullptr);
   s.model->settle_grads();
   if (dp.active()) {
     // Each rank's gradients already carry 1/accum: their sum is the global batch's mean. With
@@ -388,8 +377,9 @@ void train(const TrainOptions& options) {
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                   nn::disabled_fusions().c_str());
     if (device.is_cuda() && ops::attention_choice() != ops::AttentionChoice::flash)
-      std::printf("  attention: %s (OCTET_ATTENTION; cuDNN's fused SDPA where it takes the shape)\n",
-                  attention_choice_name());
+      std::printf("  attention: %s (OCTET_ATTENTION; cuDNN's fused SDPA where it takes the "
+                  "shape)\n",
+                  ops::attention_choice_name(ops::attention_choice()));
     const std::string lr_origin =
         options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
     std::printf(
@@ -558,7 +548,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing),
                           nn::disabled_fusions(),
-                          attention_choice_name()};
+                          ops::attention_choice_name(ops::attention_choice())};
   print_train_bench(result);
 }
 

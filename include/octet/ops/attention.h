@@ -37,6 +37,8 @@ enum class AttentionPath { flash, cudnn, simple };
 /// "flash", "cudnn" or "auto" (OCTET_ATTENTION's spelling); throws on anything else, listing the
 /// valid values, and on "cudnn" when cudnn_attention_built() is false.
 AttentionChoice parse_attention_choice(std::string_view text);
+/// The inverse: "flash", "cudnn" or "auto".
+const char* attention_choice_name(AttentionChoice choice);
 /// The last set_attention_choice, else OCTET_ATTENTION (read once per process), else flash.
 AttentionChoice attention_choice();
 /// Overrides OCTET_ATTENTION for this process; throws for cudnn when it is not built.
