@@ -175,7 +175,8 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
   const float scale = softmax_scale(shape);
   const auto cudnn_builds = [&] { return cudnn_attention_builds(device, shape, false, scale); };
   switch (choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &out}),
-                      cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out}), cudnn_builds)) {
+                      cudnn_attention_fits(shape, qkv.dtype(), all_aligned({&qkv, &out})),
+                      cudnn_builds)) {
     case AttentionPath::cudnn:
       attention_forward_cudnn(qkv, shape, out, lse, scale, stream);
       break;
@@ -198,7 +199,8 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
   const auto cudnn_builds = [&] { return cudnn_attention_builds(device, shape, true, scale); };
   const AttentionPath path =
       choose_path(use_tensor_cores(shape, qkv.dtype(), {&qkv, &dout, &dqkv}),
-                  cudnn_attention_fits(shape, qkv.dtype(), {&qkv, &out, &dout, &dqkv}),
+                  cudnn_attention_fits(shape, qkv.dtype(),
+                                       all_aligned({&qkv, &out, &dout, &dqkv})),
                   cudnn_builds);
   if (path == AttentionPath::cudnn) {  // cuDNN computes its own row term
     attention_backward_cudnn(dout, qkv, out, lse, shape, dqkv, scale, stream);
@@ -223,8 +225,9 @@ AttentionPath attention_path(const Tensor& qkv, const AttentionShape& shape) {
   const auto cudnn_builds = [&] {
     return cuda::cudnn_attention_builds(qkv.device(), shape, false, cuda::softmax_scale(shape));
   };
-  return cuda::choose_path(cuda::use_tensor_cores(shape, qkv.dtype(), {&qkv}),
-                           cuda::cudnn_attention_fits(shape, qkv.dtype(), {&qkv}), cudnn_builds);
+  return cuda::choose_path(
+      cuda::use_tensor_cores(shape, qkv.dtype(), {&qkv}),
+      cuda::cudnn_attention_fits(shape, qkv.dtype(), cuda::all_aligned({&qkv})), cudnn_builds);
 }
 
 }  // namespace octet::ops

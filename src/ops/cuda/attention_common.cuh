@@ -56,15 +56,20 @@ inline unsigned int grid_for(int64_t work_threads, int threads) {
   return static_cast<unsigned int>(blocks);
 }
 
-/// The tensor-core path applies to bf16 with head_dim 64 or 128 when every tensor is 16-byte
-/// aligned (cp.async moves 16 bytes; views at odd offsets take the simple path).
-inline bool use_tensor_cores(const AttentionShape& s, DType dtype,
-                             std::initializer_list<const Tensor*> tensors) {
-  if (dtype != DType::bf16 || (s.head_dim != 64 && s.head_dim != 128)) return false;
+/// Whether every tensor starts kFastAlignment-aligned: what both fast paths (flash and cuDNN)
+/// need of a call's tensors.
+inline bool all_aligned(std::initializer_list<const Tensor*> tensors) {
   for (const Tensor* t : tensors) {
     if (reinterpret_cast<uintptr_t>(t->raw_data()) % kFastAlignment != 0) return false;
   }
   return true;
+}
+
+/// The tensor-core path applies to bf16 with head_dim 64 or 128 when every tensor is 16-byte
+/// aligned (cp.async moves 16 bytes; views at odd offsets take the simple path).
+inline bool use_tensor_cores(const AttentionShape& s, DType dtype,
+                             std::initializer_list<const Tensor*> tensors) {
+  return dtype == DType::bf16 && (s.head_dim == 64 || s.head_dim == 128) && all_aligned(tensors);
 }
 
 inline float softmax_scale(const AttentionShape& s) {

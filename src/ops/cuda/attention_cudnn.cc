@@ -45,18 +45,12 @@ namespace {
 /// supports (Hopper goes to 256, the others do not; flash stops at 128 too).
 constexpr int64_t kCudnnHeadDimMultiple = 8;
 constexpr int64_t kCudnnMaxHeadDim = 128;
-/// bf16 tensors whose rows start 16-byte aligned (8 elements): what the SDPA kernels load at once.
-constexpr uintptr_t kCudnnAlignment = 16;
 
 }  // namespace
 
-bool cudnn_attention_fits(const AttentionShape& s, DType dtype,
-                          std::initializer_list<const Tensor*> tensors) {
-  if (!cudnn_attention_built() || dtype != DType::bf16) return false;
-  if (s.head_dim % kCudnnHeadDimMultiple != 0 || s.head_dim > kCudnnMaxHeadDim) return false;
-  return std::all_of(tensors.begin(), tensors.end(), [](const Tensor* t) {
-    return reinterpret_cast<uintptr_t>(t->raw_data()) % kCudnnAlignment == 0;
-  });
+bool cudnn_attention_fits(const AttentionShape& s, DType dtype, bool aligned) {
+  return cudnn_attention_built() && dtype == DType::bf16 && aligned &&
+         s.head_dim % kCudnnHeadDimMultiple == 0 && s.head_dim <= kCudnnMaxHeadDim;
 }
 
 #if OCTET_WITH_CUDNN_ATTENTION

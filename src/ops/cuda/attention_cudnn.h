@@ -6,17 +6,14 @@
 
 #include <cuda_runtime.h>
 
-#include <initializer_list>
-
 #include "octet/ops/attention.h"
 
 namespace octet::ops::cuda {
 
 /// Whether the cuDNN path takes this call: built with it, bf16, head_dim a multiple of 8 up to
-/// 128, and every tensor 16-byte aligned (cuDNN's bf16 SDPA kernels load 8 elements at
-/// a time; the q, k and v parts of qkv start H*D elements apart, so they stay aligned).
-bool cudnn_attention_fits(const AttentionShape& s, DType dtype,
-                          std::initializer_list<const Tensor*> tensors);
+/// 128, and `aligned`: every tensor 16-byte aligned (all_aligned; cuDNN's bf16 SDPA kernels load 8
+/// elements at a time; the q, k and v parts of qkv start H*D elements apart, so they stay aligned).
+bool cudnn_attention_fits(const AttentionShape& s, DType dtype, bool aligned);
 
 /// Whether cuDNN builds a plan for this call on `device`: asked once per device, shape and pass
 /// (the graph is then cached for the calls, or its refusal remembered). Under auto, a refusal
