@@ -657,7 +657,8 @@ void GPT::set_activation_hook(ActivationHook hook) { impl_->activation_hook = st
 
 void GPT::set_gradient_ready_hook(GradientReadyHook* hook) {
   Impl& m = *impl_;
-  if (hook != nullptr) m.entries(&m.starts);
+  // The parts' places in parameters() order never change: found at the first hook.
+  if (hook != nullptr && m.starts.blocks.size() != m.blocks.size()) m.entries(&m.starts);
   m.ready_hook = hook;
 }
 
