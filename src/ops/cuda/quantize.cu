@@ -323,7 +323,8 @@ void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transpose
   // this kernel's registers let fewer CTAs share an SM than flat_grid counts, and a grid-stride
   // grid sized for more than fit runs a second, partly empty wave. Here SMs refill as CTAs end.
   const int64_t runs = p.rows * ceil_div(p.cols, quant::kRunElems);
-  const int grid = static_cast<int>(std::min<int64_t>(ceil_div(runs, 2 * quant::kFlatThreads), INT_MAX));
+  const int grid =
+      static_cast<int>(std::min<int64_t>(ceil_div(runs, 2 * quant::kFlatThreads), INT_MAX));
   math::visit_dtype(out.dtype(), [&](auto out_tag) {
     using TOut = decltype(out_tag);
     visit_fp8(q.dtype, [&](auto fp8_tag) {
