@@ -26,8 +26,9 @@ TEST(TestSeeds, SuccessiveDrawsDiffer) {
 std::string child_seed(const std::string& env) {
   // This binary's path, read here: in the child's shell /proc/self/exe is the shell.
   const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-  const std::string command =
-      env + " '" + self + "' --gtest_filter=TestSeeds.SuccessiveDrawsDiffer 2>&1";
+  // The child runs one test, so it must not inherit a sharded parent's shard, which may hold none.
+  const std::string command = "env -u GTEST_TOTAL_SHARDS -u GTEST_SHARD_INDEX " + env + " '" +
+                              self + "' --gtest_filter=TestSeeds.SuccessiveDrawsDiffer 2>&1";
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(command.c_str(), "r"), &::pclose);
   if (!pipe) return "(popen failed)";
   std::string output;

@@ -99,7 +99,7 @@ AttentionChoice env_choice() {
   // Read once: the choice must not change under a running model because the environment did.
   static const AttentionChoice choice = [] {
     const char* value = std::getenv("OCTET_ATTENTION");
-    return value == nullptr || value[0] == '\0' ? AttentionChoice::flash
+    return value == nullptr || value[0] == '\0' ? AttentionChoice::automatic
                                                 : parse_attention_choice(value);
   }();
   return choice;
@@ -117,7 +117,7 @@ AttentionChoice parse_attention_choice(std::string_view text) {
     choice = AttentionChoice::automatic;
   } else {
     OCTET_ERROR("OCTET_ATTENTION: unknown attention path '", text,
-                "'; valid values: flash (default), cudnn, auto");
+                "'; valid values: flash, cudnn, auto (default)");
   }
   if (choice == AttentionChoice::cudnn) require_cudnn_built();
   return choice;

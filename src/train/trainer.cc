@@ -376,10 +376,12 @@ void train(const TrainOptions& options) {
     if (nn::disabled_fusions() != "none")
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                   nn::disabled_fusions().c_str());
-    if (device.is_cuda() && ops::attention_choice() != ops::AttentionChoice::flash)
-      std::printf("  attention: %s (OCTET_ATTENTION; cuDNN's fused SDPA where it takes the "
-                  "shape)\n",
-                  ops::attention_choice_name(ops::attention_choice()));
+    if (device.is_cuda())
+      std::printf("  attention: %s (OCTET_ATTENTION: %s)\n",
+                  ops::attention_choice_name(ops::attention_choice()),
+                  ops::attention_choice() == ops::AttentionChoice::flash
+                      ? "octet's own kernels"
+                      : "cuDNN's fused SDPA where it takes the shape, else octet's kernels");
     const std::string lr_origin =
         options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
     std::printf(

@@ -45,7 +45,7 @@ TEST(AttentionChoice, ABadValueListsTheValidOnes) {
   for (const char* bad : {"", "Flash", "cudnn ", "fa2", "simple"}) {
     SCOPED_TRACE(bad);
     expect_error([&] { ops::parse_attention_choice(bad); },
-                 {"OCTET_ATTENTION", "valid values: flash (default), cudnn, auto"});
+                 {"OCTET_ATTENTION", "valid values: flash, cudnn, auto (default)"});
   }
 }
 

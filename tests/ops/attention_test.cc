@@ -53,7 +53,11 @@ std::string case_name(const ::testing::TestParamInfo<Case>& info) {
          std::to_string(c.shape.head_dim);
 }
 
-class AttentionParity : public ::testing::TestWithParam<Case> {};
+/// Pins octet's own kernels: under the default (auto) cuDNN would take the bf16 cases, and
+/// attention_cudnn_test.cc checks that path.
+class AttentionParity : public ::testing::TestWithParam<Case> {
+  ops::ScopedAttentionChoice flash_{ops::AttentionChoice::flash};
+};
 
 TEST_P(AttentionParity, ForwardMatchesReference) {
   const auto& [device, dtype, s] = GetParam();

@@ -24,10 +24,11 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
 void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& lse, const AttentionShape& shape, const Tensor& dqkv);
 
-/// Which implementation CUDA attention is asked to run: env OCTET_ATTENTION ("flash", the
-/// default; "cudnn"; "auto"), or set_attention_choice. cudnn and auto both run cuDNN's fused SDPA
+/// Which implementation CUDA attention is asked to run: env OCTET_ATTENTION ("flash"; "cudnn";
+/// "auto", the default), or set_attention_choice. cudnn and auto both run cuDNN's fused SDPA
 /// where the call fits it (see AttentionPath). cudnn needs a build with it, and a shape cuDNN
-/// builds no plan for is an error; auto runs octet's own kernels in both cases.
+/// builds no plan for is an error; auto runs octet's own kernels in both cases. auto is the
+/// default because cuDNN's kernels are the faster ones on Hopper; both paths are deterministic.
 enum class AttentionChoice { flash, cudnn, automatic };
 /// The implementation a CUDA attention call runs: the tensor-core kernels (bf16, head_dim 64 or
 /// 128), cuDNN's SDPA (bf16, head_dim a multiple of 8 up to 128), or the CUDA-core kernels that
@@ -39,7 +40,7 @@ enum class AttentionPath { flash, cudnn, simple };
 AttentionChoice parse_attention_choice(std::string_view text);
 /// The inverse: "flash", "cudnn" or "auto".
 const char* attention_choice_name(AttentionChoice choice);
-/// The last set_attention_choice, else OCTET_ATTENTION (read once per process), else flash.
+/// The last set_attention_choice, else OCTET_ATTENTION (read once per process), else auto.
 AttentionChoice attention_choice();
 /// Overrides OCTET_ATTENTION for this process; throws for cudnn when it is not built.
 void set_attention_choice(AttentionChoice choice);
