@@ -47,6 +47,8 @@
 #                        `TEST_SHARDS=2 TEST_SHARD=1 scripts/gpu-check.sh test` on the warm machine
 #   SANITIZER_TIMEOUT    seconds per sanitizer tool (default 180: racecheck took more than 80 s
 #                        with the MoE cases; memcheck, synccheck and initcheck about 10 s)
+#   SANITIZER_TOOLS      the compute-sanitizer tools to run (default "memcheck racecheck synccheck
+#                        initcheck"), e.g. one tool again after a fix
 #   SANITIZER_FILTER     gtest filter for the sanitizer runs, replacing the automatic selection
 #                        (scripts/sanitizer-filter.txt is the one the notes quote; it leaves out
 #                        GemmCudaAddend, where racecheck and initcheck flag cuBLASLt's own Hopper
@@ -94,7 +96,7 @@ JOBS="${JOBS:-16}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
 SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-180}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
-SANITIZER_TOOLS=(memcheck racecheck synccheck initcheck)
+read -ra SANITIZER_TOOLS <<<"${SANITIZER_TOOLS:-memcheck racecheck synccheck initcheck}"
 INITCHECK_EXCLUDE="${INITCHECK_EXCLUDE-*GroupedLinearDevice.FusedInputIsBitwiseTheUnfusedInput*:*MoEFusedCast.*}"
 MEMCHECK_ONLY="${MEMCHECK_ONLY-*CudnnAttention*}"
 # Exit code the sanitizer returns when it found errors (distinct from gtest's 1).
