@@ -655,9 +655,14 @@ if "bench" in stages:
         groups = {}
         for r in rows:
             key = f"{r['pass']}/{r['model']}/B{r['B']}_T{r['T']}_H{r['H']}_D{r['D']}"
+            # "det": under torch.use_deterministic_algorithms(True); "(repeats differ)": its
+            # backward gave different bytes on a second run all the same.
+            name = r["backend"] + ("/det" if r.get("deterministic") else "")
+            if r.get("repeats_bitwise") is False and r["pass"] != "forward":
+                name += " (repeats differ)"
             groups.setdefault(key, []).append(
-                f"{r['backend']} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s" if "ms" in r
-                else f"{r['backend']} skipped")
+                f"{name} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s" if "ms" in r
+                else f"{name} skipped")
         for key, cells in groups.items():
             lines.append(f"  {key:<44} " + ", ".join(cells))
     else:

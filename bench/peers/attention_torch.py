@@ -11,6 +11,12 @@ forward + backward. Shapes and FLOP counts are those of bench/attention_bench.cc
 only, 2 GEMMs forward and 5 backward (FlashAttention-2's convention), 7 for the pair, each GEMM
 2*B*H*T^2*D/2 flops. CUDA-event timing, median of 20 after 5 warm-ups (gemm_torch.median_ms).
 One JSON line per (shape, backend, pass); a backend that refuses a shape gets a line with "skipped".
+
+Every backend runs twice: as PyTorch runs it by default, and under
+torch.use_deterministic_algorithms(True) ("deterministic": true), the mode comparable to octet's
+always-deterministic attention. A backend with no deterministic backward refuses there (a
+"skipped" backward), or runs anyway: "repeats_bitwise" says whether two backward passes on the
+same inputs gave the same dq, dk and dv bytes, so a backward that ignores the request shows.
 """
 import json
 
@@ -41,41 +47,56 @@ def packed_qkv(b, t, h, d):
 
 
 def measure(b, t, h, d):
-    """{pass: ms} under the active backend."""
+    """({pass: ms or the refusal's message}, whether two backwards repeat bytewise) under the
+    active backend and determinism setting."""
     q, k, v = packed_qkv(b, t, h, d)
     dout = torch.rand(b, h, t, d, device="cuda", dtype=torch.bfloat16) * 2 - 1
 
     def forward():
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
+    def backward():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
     out = forward()  # raises here when the backend refuses the shape
     times = {"forward": median_ms(forward)}
-    times["backward"] = median_ms(
-        lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    try:
+        first = backward()
+    except RuntimeError as e:  # no (deterministic) backward for this shape
+        refusal = str(e).splitlines()[0][:200]
+        return {**times, "backward": refusal, "forward+backward": refusal}, None
+    repeats = all(torch.equal(x, y) for x, y in zip(first, backward()))
+    times["backward"] = median_ms(backward)
     times["forward+backward"] = median_ms(lambda: torch.autograd.grad(forward(), (q, k, v), dout))
-    return times
+    return times, repeats
 
 
 def main():
     for model, b, t, h, d in SHAPES:
         flops = causal_gemm_flops(b, t, h, d)
-        for name, backend in BACKENDS:
-            row = {"model": model, "B": b, "T": t, "H": h, "D": d, "backend": name,
-                   "torch": torch.__version__}
-            try:
-                with sdpa_kernel(backend):
-                    times = measure(b, t, h, d)
-            except RuntimeError as e:
-                for pass_name in GEMMS:
-                    print(json.dumps({**row, "pass": pass_name,
-                                      "skipped": str(e).splitlines()[0][:200]}), flush=True)
-                continue
-            for pass_name, ms in times.items():
-                pass_flops = GEMMS[pass_name] * flops
-                print(json.dumps({**row, "pass": pass_name, "ms": ms,
-                                  "tflops": pass_flops / ms / 1e9, "flops": pass_flops}),
-                      flush=True)
-            torch.cuda.empty_cache()
+        for deterministic in (False, True):
+            torch.use_deterministic_algorithms(deterministic)
+            for name, backend in BACKENDS:
+                row = {"model": model, "B": b, "T": t, "H": h, "D": d, "backend": name,
+                       "deterministic": deterministic, "torch": torch.__version__}
+                try:
+                    with sdpa_kernel(backend):
+                        times, repeats = measure(b, t, h, d)
+                except RuntimeError as e:
+                    times = {p: str(e).splitlines()[0][:200] for p in GEMMS}
+                    repeats = None
+                if repeats is not None:
+                    row["repeats_bitwise"] = repeats
+                for pass_name, ms in times.items():
+                    if isinstance(ms, str):
+                        print(json.dumps({**row, "pass": pass_name, "skipped": ms}), flush=True)
+                        continue
+                    pass_flops = GEMMS[pass_name] * flops
+                    print(json.dumps({**row, "pass": pass_name, "ms": ms,
+                                      "tflops": pass_flops / ms / 1e9, "flops": pass_flops}),
+                          flush=True)
+                torch.cuda.empty_cache()
+        torch.use_deterministic_algorithms(False)
 
 
 if __name__ == "__main__":
