@@ -45,6 +45,10 @@
 #                        build (about 370 s of tests after a 150 s build): run
 #                        `TEST_SHARDS=2 TEST_SHARD=0 scripts/gpu-check.sh build test`, then
 #                        `TEST_SHARDS=2 TEST_SHARD=1 scripts/gpu-check.sh test` on the warm machine
+#   TEST_JOBS            test processes sharing the GPU at once (default 1), each a gtest shard of
+#                        the call's shard, the host's cores split between them; the tests' CPU
+#                        references then run in parallel. Not yet tried on the H200: if a test
+#                        fails only with TEST_JOBS > 1, it depends on having the GPU to itself
 #   SANITIZER_TIMEOUT    seconds per sanitizer tool (default 180: racecheck took more than 80 s
 #                        with the MoE cases; memcheck, synccheck and initcheck about 10 s)
 #   SANITIZER_TOOLS      the compute-sanitizer tools to run (default "memcheck racecheck synccheck
@@ -154,25 +158,58 @@ stage_build() {
 
 # ------------------------------------------------------------------------------------------------
 stage_test() {
-  local start rc
+  local start rc=0 jobs="${TEST_JOBS:-1}" shards="${TEST_SHARDS:-1}" index="${TEST_SHARD:-0}" j
   start=$(now)
   if [[ ! -x "$TESTS_BIN" ]]; then
     fail test "no $TESTS_BIN (build failed?)"
     return
   fi
-  rm -f "$OUT/tests.json"
-  local shard=()
-  if [[ -n "${TEST_SHARDS:-}" ]]; then
-    shard=(env GTEST_TOTAL_SHARDS="$TEST_SHARDS" GTEST_SHARD_INDEX="${TEST_SHARD:-0}")
-    record test_shard "${TEST_SHARD:-0} of $TEST_SHARDS"
+  rm -f "$OUT"/tests.json "$OUT"/tests.log
+  [[ -n "${TEST_SHARDS:-}" ]] && record test_shard "$index of $shards"
+  if [[ $jobs -le 1 ]]; then
+    local shard=()
+    [[ $shards -gt 1 ]] && shard=(env GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$index")
+    timeout "$TEST_TIMEOUT" "${shard[@]}" "$TESTS_BIN" --gtest_output="json:$OUT/tests.json" \
+      >"$OUT/tests.log" 2>&1
+    rc=$?
+  else
+    # TEST_JOBS processes share the GPU, each running one gtest shard of this call's shard, with
+    # the host's cores split between their OpenMP pools (the CPU references dominate many tests).
+    local pids=() job_rc threads=$(($(nproc) / jobs))
+    record test_jobs "$jobs"
+    for ((j = 0; j < jobs; j++)); do
+      OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) GTEST_TOTAL_SHARDS=$((shards * jobs)) \
+        GTEST_SHARD_INDEX=$((index * jobs + j)) timeout "$TEST_TIMEOUT" "$TESTS_BIN" \
+        --gtest_output="json:$STATE/tests.$j.json" >"$STATE/tests.$j.log" 2>&1 &
+      pids+=($!)
+    done
+    for ((j = 0; j < jobs; j++)); do
+      wait "${pids[$j]}"
+      job_rc=$?
+      [[ $job_rc -ne 0 && $rc -ne 124 ]] && rc=$job_rc  # a timeout outranks a failure
+      { echo "=== test job $j of $jobs: exit $job_rc"; cat "$STATE/tests.$j.log"; } >>"$OUT/tests.log"
+    done
+    merge_test_reports "$jobs"
   fi
-  timeout "$TEST_TIMEOUT" "${shard[@]}" "$TESTS_BIN" --gtest_output="json:$OUT/tests.json" \
-    >"$OUT/tests.log" 2>&1
-  rc=$?
   record test_rc "$rc"
   [[ $rc -eq 124 ]] && fail test "timed out after ${TEST_TIMEOUT}s (tests.log)"
   [[ $rc -ne 0 && $rc -ne 124 ]] && fail test "octet_tests exited $rc (tests.log)"
   record test_seconds $(($(now) - start))
+}
+
+# Writes $OUT/tests.json from the $1 jobs' reports, or nothing when one is missing (a crash or a
+# timeout: the summary then counts tests.log's lines instead).
+merge_test_reports() {
+  python3 - "$STATE" "$OUT/tests.json" "$1" <<'PY'
+import json, os, sys
+state, target, jobs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+paths = [os.path.join(state, f"tests.{j}.json") for j in range(jobs)]
+if all(os.path.exists(p) for p in paths):
+    merged = {"testsuites": []}
+    for p in paths:
+        merged["testsuites"] += json.load(open(p)).get("testsuites", [])
+    json.dump(merged, open(target, "w"))
+PY
 }
 
 # ------------------------------------------------------------------------------------------------
