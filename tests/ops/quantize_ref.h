@@ -39,8 +39,11 @@ inline uint32_t to_bits(float x) {
 
 /// max over the bit patterns of `initial` and of |x| for every x.
 inline float amax(const std::vector<float>& x, float initial) {
+  // A max of integers: the same in any order, so the threads may split it.
   uint32_t m = to_bits(initial);
-  for (float v : x) m = std::max(m, abs_bits(v));
+  const int64_t n = static_cast<int64_t>(x.size());
+#pragma omp parallel for reduction(max : m) schedule(static)
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, abs_bits(x[i]));
   return from_bits(m);
 }
 
@@ -89,9 +92,18 @@ inline Copy quantize_copy(const std::vector<float>& x, int64_t rows, int64_t col
   out.scale_inv.resize(out.grid_rows * out.grid_cols);
   out.scale_inv_e8m0.resize(out.grid_rows * out.grid_cols);
   const float fp8_max = fp8::fp8_max(dtype);
+  // The blocks' multipliers first, then the elements by row: a per-tensor copy is one block, and
+  // its 2^27 elements at the large shapes must not run on one thread.
+  std::vector<float> multipliers(out.scale_inv.size());
 #pragma omp parallel for schedule(dynamic)
   for (int64_t bi = 0; bi < out.grid_rows; ++bi) {
     for (int64_t bj = 0; bj < out.grid_cols; ++bj) {
+      const int64_t b = bi * out.grid_cols + bj;
+      if (mode == fp8::ScalingMode::per_tensor) {  // the amax is not needed
+        multipliers[b] = tensor_scale;
+        out.scale_inv[b] = 1.0f / tensor_scale;
+        continue;
+      }
       const int64_t r0 = bi * block_rows, r1 = std::min(rows, r0 + block_rows);
       const int64_t c0 = bj * block_cols, c1 = std::min(cols, c0 + block_cols);
       uint32_t block_amax_bits = 0;
@@ -99,30 +111,22 @@ inline Copy quantize_copy(const std::vector<float>& x, int64_t rows, int64_t col
         for (int64_t c = c0; c < c1; ++c)
           block_amax_bits = std::max(block_amax_bits, abs_bits(x[r * cols + c]));
       const float block_amax = from_bits(block_amax_bits);
-      const int64_t b = bi * out.grid_cols + bj;
-      float multiplier = 0;
-      switch (mode) {
-        case fp8::ScalingMode::per_tensor:
-          multiplier = tensor_scale;
-          out.scale_inv[b] = 1.0f / tensor_scale;
-          break;
-        case fp8::ScalingMode::block_1x128:
-        case fp8::ScalingMode::block_128x128:
-          multiplier = block_scale(block_amax, fp8_max, power_of_2);
-          out.scale_inv[b] = 1.0f / multiplier;
-          break;
-        case fp8::ScalingMode::mxfp8_1x32: {
-          const uint8_t e = fp8::encode_e8m0_round_up(block_amax / fp8_max);
-          out.scale_inv_e8m0[b] = e;
-          // 1 / 2^(e - 127), exact; a NaN scale makes every element NaN.
-          multiplier = e == 0xFF ? NAN : std::ldexp(1.0f, 127 - static_cast<int>(e));
-          break;
-        }
+      if (mode == fp8::ScalingMode::mxfp8_1x32) {
+        const uint8_t e = fp8::encode_e8m0_round_up(block_amax / fp8_max);
+        out.scale_inv_e8m0[b] = e;
+        // 1 / 2^(e - 127), exact; a NaN scale makes every element NaN.
+        multipliers[b] = e == 0xFF ? NAN : std::ldexp(1.0f, 127 - static_cast<int>(e));
+      } else {  // block_1x128, block_128x128
+        multipliers[b] = block_scale(block_amax, fp8_max, power_of_2);
+        out.scale_inv[b] = 1.0f / multipliers[b];
       }
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c)
-          out.q[r * cols + c] = fp8::encode_fp8(x[r * cols + c] * multiplier, dtype);
     }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* block_row = multipliers.data() + (r / block_rows) * out.grid_cols;
+    for (int64_t c = 0; c < cols; ++c)
+      out.q[r * cols + c] = fp8::encode_fp8(x[r * cols + c] * block_row[c / block_cols], dtype);
   }
   return out;
 }
@@ -202,22 +206,16 @@ inline Tensor dequantize(const Copy& k, DType dtype, DType out_dtype, bool trans
                           : Tensor::empty({k.rows, k.cols}, out_dtype);
   auto* f32 = static_cast<float*>(out.raw_data());
   auto* bf16 = static_cast<uint16_t*>(out.raw_data());
-#pragma omp parallel for schedule(dynamic)
-  for (int64_t bi = 0; bi < k.grid_rows; ++bi) {
-    for (int64_t bj = 0; bj < k.grid_cols; ++bj) {
-      const int64_t r0 = bi * k.block_rows, r1 = std::min(k.rows, r0 + k.block_rows);
-      const int64_t c0 = bj * k.block_cols, c1 = std::min(k.cols, c0 + k.block_cols);
-      const float scale_inv = k.scale_inv_at(r0, c0);
-      for (int64_t r = r0; r < r1; ++r) {
-        for (int64_t c = c0; c < c1; ++c) {
-          const float v = fp8::decode_fp8(k.q[r * k.cols + c], dtype) * scale_inv;
-          const int64_t i = transposed ? c * k.rows + r : r * k.cols + c;
-          if (out_dtype == DType::f32) {
-            f32[i] = v;
-          } else {
-            bf16[i] = fp8::encode_bf16(v);
-          }
-        }
+  // By row, not by block: a per-tensor copy is one block.
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < k.rows; ++r) {
+    for (int64_t c = 0; c < k.cols; ++c) {
+      const float v = fp8::decode_fp8(k.q[r * k.cols + c], dtype) * k.scale_inv_at(r, c);
+      const int64_t i = transposed ? c * k.rows + r : r * k.cols + c;
+      if (out_dtype == DType::f32) {
+        f32[i] = v;
+      } else {
+        bf16[i] = fp8::encode_bf16(v);
       }
     }
   }
