@@ -38,6 +38,10 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "input-recast (bitwise the same results; to bisect a numerical difference; "
                   "input-recast off keeps the FP8 Linear inputs for backward: faster, more "
                   "memory)");
+  cmd->add_option("--attention", o.attention,
+                  "attention on CUDA: auto (cuDNN's fused SDPA where it takes the shape, else "
+                  "octet's kernels), cudnn or flash (octet's kernels); all deterministic "
+                  "(default: OCTET_ATTENTION, else auto)");
   cmd->add_option("--model", o.model,
                   "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b, moe-tiny or moe-16x2048 "
                   "(default: tiny on CPU, gpt2-124m on GPU)");

@@ -87,10 +87,10 @@ namespace {
 constexpr int kNoChoiceSet = -1;
 std::atomic<int> g_api_choice{kNoChoiceSet};
 
-/// Throws unless this build has the cuDNN path, naming the remedy.
-void require_cudnn_built() {
-  OCTET_CHECK(cudnn_attention_built(),
-              "OCTET_ATTENTION: cudnn asks for cuDNN's fused attention, but this build has none: "
+/// Throws unless this build has the cuDNN path, naming the remedy; `source` names who asked.
+void require_cudnn_built(std::string_view source = "OCTET_ATTENTION") {
+  OCTET_CHECK(cudnn_attention_built(), source,
+              ": cudnn asks for cuDNN's fused attention, but this build has none: "
               "run scripts/cudnn-frontend.sh and configure with -DOCTET_WITH_CUDNN_ATTENTION=ON "
               "(needs the CUDA backend and cuDNN), or ask for auto or flash");
 }
@@ -107,7 +107,7 @@ AttentionChoice env_choice() {
 
 }  // namespace
 
-AttentionChoice parse_attention_choice(std::string_view text) {
+AttentionChoice parse_attention_choice(std::string_view text, std::string_view source) {
   AttentionChoice choice;
   if (text == "flash") {
     choice = AttentionChoice::flash;
@@ -116,10 +116,10 @@ AttentionChoice parse_attention_choice(std::string_view text) {
   } else if (text == "auto") {
     choice = AttentionChoice::automatic;
   } else {
-    OCTET_ERROR("OCTET_ATTENTION: unknown attention path '", text,
+    OCTET_ERROR(source, ": unknown attention path '", text,
                 "'; valid values: flash, cudnn, auto (default)");
   }
-  if (choice == AttentionChoice::cudnn) require_cudnn_built();
+  if (choice == AttentionChoice::cudnn) require_cudnn_built(source);
   return choice;
 }
 

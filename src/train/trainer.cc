@@ -255,7 +255,20 @@ struct RunSetup {
   Precision precision;
   std::unique_ptr<TokenSource> data;
   ModelConfig config;
-  std::vector<nn::Fusion> unfused;  ///< --unfuse: off for the run (an nn::UnfusedScope)
+  std::vector<nn::Fusion> unfused;  ///< --unfuse: off for the run
+  std::optional<ops::AttentionChoice> attention;  ///< --attention, when given
+};
+
+/// The process-wide switches a run sets for its lifetime: --unfuse and --attention.
+class RunSwitches {
+ public:
+  explicit RunSwitches(const RunSetup& run) : unfused_(run.unfused) {
+    if (run.attention) attention_.emplace(*run.attention);
+  }
+
+ private:
+  nn::UnfusedScope unfused_;
+  std::optional<ops::ScopedAttentionChoice> attention_;
 };
 
 /// The precision named by o.precision with the recipe knobs of `o` applied (and checked).
@@ -305,6 +318,8 @@ RunSetup prepare_run(const TrainOptions& requested) {
   check_device_available(run.device);
   run.precision = resolve_precision(o);
   run.unfused = nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse);
+  if (!o.attention.empty())
+    run.attention = ops::parse_attention_choice(o.attention, "--attention");
   run.data = make_token_source(o.data, o.seed);
   run.config = resolve_model_config(o, run.data->vocab_size());
   check_run_shape(o, run.precision);
@@ -332,8 +347,8 @@ void train(const TrainOptions& options) {
   dp.check_run(options);  // the same options everywhere, before anything reads them
   dp.set_grad_reduce_dtype(options.grad_reduce_dtype);
   RunSetup run = prepare_run(placed);
-  auto& [o, device, precision, data, config, unfused] = run;
-  const nn::UnfusedScope unfused_scope(unfused);
+  auto& [o, device, precision, data, config, unfused, attention] = run;
+  const RunSwitches switches(run);
   const bool root = dp.is_root();  // rank 0 prints, writes metrics, plots and checkpoints
 
   TrainState s =
@@ -377,7 +392,7 @@ void train(const TrainOptions& options) {
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                   nn::disabled_fusions().c_str());
     if (device.is_cuda())
-      std::printf("  attention: %s (OCTET_ATTENTION: %s)\n",
+      std::printf("  attention: %s (--attention or OCTET_ATTENTION: %s)\n",
                   ops::attention_choice_name(ops::attention_choice()),
                   ops::attention_choice() == ops::AttentionChoice::flash
                       ? "octet's own kernels"
@@ -489,8 +504,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   OCTET_CHECK(dist::launcher_world_size() == 1, "octet bench train measures one process, but ",
               dist::launcher_world_size(), " were launched (mpirun): run it without mpirun");
   RunSetup run = prepare_run(options);
-  auto& [o, device, precision, data, config, unfused] = run;
-  const nn::UnfusedScope unfused_scope(unfused);
+  auto& [o, device, precision, data, config, unfused, attention] = run;
+  const RunSwitches switches(run);
   reset_device_peak(device);
   TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
   StepChecks checks(*s.model, s.params, o);

@@ -47,6 +47,9 @@ TEST(AttentionChoice, ABadValueListsTheValidOnes) {
     expect_error([&] { ops::parse_attention_choice(bad); },
                  {"OCTET_ATTENTION", "valid values: flash, cudnn, auto (default)"});
   }
+  // The message begins with where the text came from (the CLI passes its flag).
+  expect_error([] { ops::parse_attention_choice("fa2", "--attention"); },
+               {"--attention: unknown attention path 'fa2'"});
 }
 
 TEST(AttentionChoice, CudnnWithoutTheBuildNamesTheRemedy) {

@@ -100,6 +100,17 @@ TEST(Cli, UnknownFlagIsOneLineAndExitCode2) {
   EXPECT_EQ(r.exit_code, 2);
 }
 
+TEST(Cli, AttentionFlagIsCheckedAndReported) {
+  const auto dir = testing::scratch_dir();
+  expect_one_error_line(run_octet("train --device cpu --attention fa2 --steps 1", dir),
+                        "--attention: unknown attention path 'fa2'; valid values: flash, cudnn, "
+                        "auto (default)");
+  // The flag sets the choice for the run (on the CPU it has no path to pick, but says which).
+  const nlohmann::json j =
+      bench_train("--model tiny --device cpu --steps 1 --warmup-steps 1 --attention flash");
+  EXPECT_EQ(j.value("attention", ""), "flash") << j;
+}
+
 TEST(Cli, ImpossibleSizesAreOneLine) {
   const auto dir = testing::scratch_dir();
   expect_one_error_line(run_octet("train --device cpu --dim 30 --heads 4 --steps 1", dir),

@@ -35,9 +35,11 @@ enum class AttentionChoice { flash, cudnn, automatic };
 /// take everything else (f32, other head_dims, unaligned views). All are deterministic.
 enum class AttentionPath { flash, cudnn, simple };
 
-/// "flash", "cudnn" or "auto" (OCTET_ATTENTION's spelling); throws on anything else, listing the
-/// valid values, and on "cudnn" when cudnn_attention_built() is false.
-AttentionChoice parse_attention_choice(std::string_view text);
+/// "flash", "cudnn" or "auto" (OCTET_ATTENTION's and `octet train --attention`'s spelling);
+/// throws on anything else, listing the valid values, and on "cudnn" when
+/// cudnn_attention_built() is false. `source` (where the text came from) begins the messages.
+AttentionChoice parse_attention_choice(std::string_view text,
+                                       std::string_view source = "OCTET_ATTENTION");
 /// The inverse: "flash", "cudnn" or "auto".
 const char* attention_choice_name(AttentionChoice choice);
 /// The last set_attention_choice, else OCTET_ATTENTION (read once per process), else auto.

@@ -29,6 +29,9 @@ struct TrainOptions {
   /// Fused casts to switch off (nn::parse_fusions: "all" or names): a bisecting aid; every
   /// fusion gives bitwise the unfused result, so this changes speed, never the numbers.
   std::string unfuse;
+  /// Attention on CUDA (ops::AttentionChoice): flash, cudnn or auto; "" leaves OCTET_ATTENTION's
+  /// choice (auto by default). Both paths are deterministic; they round differently.
+  std::string attention;
   std::string model;  ///< preset; default tiny on CPU, gpt2-124m on GPU
   int64_t layers = 0, dim = 0, heads = 0, ffn = 0, vocab = 0;  ///< preset overrides
   /// Mixture-of-experts overrides of the preset (ModelConfig): experts (-1: the preset's; 0:
