@@ -12,6 +12,7 @@
 
 #include "octet/core/error.h"
 #include "octet/nn/fp8_state.h"
+#include "octet/ops/attention.h"
 #include "octet/train/metrics.h"
 
 namespace octet::train {
@@ -219,10 +220,25 @@ ModelConfig checkpoint_config(const SafetensorsFile& file) {
   }
 }
 
+std::string rounding_context(const TrainOptions& o) {
+  if (!Device::parse(o.device).is_cuda()) return "cpu";
+  return std::string("cuda, attention ") + ops::attention_choice_name(ops::attention_choice());
+}
+
+std::optional<std::string> rounding_change(const SafetensorsFile& file,
+                                           const std::map<std::string, std::string>& expected) {
+  const auto held = file.metadata().find("rounding");
+  if (held == file.metadata().end() || held->second == expected.at("rounding")) return std::nullopt;
+  return "checkpoint " + file.path() + " was written on " + held->second + ", this run is on " +
+         expected.at("rounding") + ": the continuation is deterministic, but not bitwise the " +
+         "uninterrupted run";
+}
+
 std::map<std::string, std::string> run_metadata(const TrainOptions& o, const ModelConfig& config,
                                                 const Precision& p, const TokenSource& data,
                                                 int64_t step) {
   return {{"config", config_json(config).dump()},
+          {"rounding", rounding_context(o)},
           {"precision", p.name()},
           {"recipe", p.kind == Precision::Kind::fp8 ? p.recipe.describe() : ""},
           {"step", std::to_string(step)},

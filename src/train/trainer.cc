@@ -360,7 +360,10 @@ void train(const TrainOptions& options) {
   if (!o.resume.empty()) {
     resumed_from = resolve_checkpoint(o.resume);
     const SafetensorsFile file = load_safetensors(resumed_from);
-    resume_step = resume_from(file, run_metadata(o, config, precision, *data, 0), s, *data);
+    const auto expected = run_metadata(o, config, precision, *data, 0);
+    resume_step = resume_from(file, expected, s, *data);
+    if (const auto change = rounding_change(file, expected); change && root)
+      std::printf("octet train: note: %s\n", change->c_str());
     OCTET_CHECK(s.step < o.steps, "checkpoint ", resumed_from, " is at step ", s.step,
                 ", nothing to do for --steps ", o.steps);
   }

@@ -36,6 +36,7 @@ using octet::testing::rewrite_metadata;
 using octet::testing::same_checkpoint_tensors;
 using octet::testing::scratch_dir;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 void write_bytes(const fs::path& path, const std::string& bytes) {
   fs::remove(path);
@@ -303,6 +304,33 @@ TEST(CheckpointResume, FromARunDirectoryAndExtendedWithMoreStepsEqualsOneRun) {
                                       dir / "split" / "checkpoint-000009.safetensors"));
   // --keep 2 (the default): checkpoints 6 and 9 remain of 3, 6 and 9.
   EXPECT_EQ(list_checkpoints(dir / "split").size(), 2u);
+}
+
+TEST(CheckpointResume, SaysWhenTheCheckpointWasWrittenUnderOtherRoundings) {
+  const auto dir = scratch_dir();
+  TrainOptions first = micro_options(dir / "run", "fp8-delayed");
+  first.steps = 2;
+  run_train(first);
+  const fs::path written = dir / "run" / "checkpoint.safetensors";
+  EXPECT_EQ(load_safetensors(written.string()).metadata().at("rounding"), "cpu");
+
+  const auto resume_output = [&](const fs::path& from) {
+    TrainOptions more = first;
+    more.out = (dir / ("more-" + from.stem().string())).string();
+    more.steps = 3;
+    more.resume = from.string();
+    ::testing::internal::CaptureStdout();
+    run_train(more);
+    return ::testing::internal::GetCapturedStdout();
+  };
+  EXPECT_THAT(resume_output(written), Not(HasSubstr("note:"))) << "the same roundings";
+  // A checkpoint from a GPU run: the continuation on the CPU says it is not bitwise that run's.
+  const fs::path from_gpu = dir / "from-gpu.safetensors";
+  rewrite_metadata(written, from_gpu, "rounding", "cuda, attention flash");
+  EXPECT_THAT(resume_output(from_gpu),
+              HasSubstr("note: checkpoint " + from_gpu.string() + " was written on cuda, "
+                        "attention flash, this run is on cpu: the continuation is deterministic, "
+                        "but not bitwise the uninterrupted run"));
 }
 
 TEST(CheckpointResume, ACorruptTensorStopsTheResumeNamingIt) {

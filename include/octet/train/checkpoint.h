@@ -65,7 +65,17 @@ ModelConfig checkpoint_config(const SafetensorsFile& file);
 /// model is refused instead of allocated. Throws naming the file and both sizes.
 void check_config_matches_tensors(const SafetensorsFile& file, const ModelConfig& config);
 
-/// The metadata a checkpoint of this run at `step` records.
+/// What decides a run's roundings besides the options the resume check compares: the device kind
+/// and, on CUDA, the attention choice in force ("cpu"; "cuda, attention auto"). A checkpoint
+/// stores it as "rounding"; a continuation is bitwise the uninterrupted run only under the same.
+std::string rounding_context(const TrainOptions& o);
+
+/// The sentence to print when `file` was written under another rounding context than this run's
+/// (`expected`: run_metadata of this run); nullopt when they agree or the file predates the key.
+std::optional<std::string> rounding_change(const SafetensorsFile& file,
+                                           const std::map<std::string, std::string>& expected);
+
+/// The metadata a checkpoint of this run at `step` records (the rounding context among it).
 std::map<std::string, std::string> run_metadata(const TrainOptions& o, const ModelConfig& config,
                                                 const Precision& p, const TokenSource& data,
                                                 int64_t step);
