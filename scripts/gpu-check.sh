@@ -187,7 +187,10 @@ stage_test() {
       wait "${pids[$j]}"
       job_rc=$?
       [[ $job_rc -ne 0 && $rc -ne 124 ]] && rc=$job_rc  # a timeout outranks a failure
-      { echo "=== test job $j of $jobs: exit $job_rc"; cat "$STATE/tests.$j.log"; } >>"$OUT/tests.log"
+      {
+        echo "=== test job $j of $jobs: exit $job_rc"
+        cat "$STATE/tests.$j.log"
+      } >>"$OUT/tests.log"
     done
     merge_test_reports "$jobs"
   fi

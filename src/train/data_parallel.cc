@@ -15,9 +15,10 @@ uint64_t options_fingerprint(const TrainOptions& o) {
   // Every field, in declaration order, separated so that "ab","c" differs from "a","bc".
   const char sep = '\x1f';
   text << o.device << sep << o.precision << sep << o.amax_history << sep << o.amax_algo << sep
-       << o.margin << sep << o.fp8_format << sep << o.unfuse << sep << o.attention << sep << o.model << sep << o.layers
-       << sep << o.dim << sep << o.heads << sep << o.ffn << sep << o.vocab << sep << o.data << sep
-       << o.steps << sep << o.batch << sep << o.seq << sep << o.accum << sep << o.lr << sep
+       << o.margin << sep << o.fp8_format << sep << o.unfuse << sep << o.attention << sep
+       << o.model << sep << o.layers << sep << o.dim << sep << o.heads << sep << o.ffn << sep
+       << o.vocab << sep << o.data << sep << o.steps << sep << o.batch << sep << o.seq << sep
+       << o.accum << sep << o.lr << sep
        << o.warmup << sep << o.weight_decay << sep << o.grad_clip << sep << o.seed << sep
        << o.recompute << sep << o.deterministic << sep << o.out << sep << o.save_every << sep
        << o.keep << sep << o.resume << sep << o.eval_every << sep << o.eval_batches << sep

@@ -394,12 +394,15 @@ void train(const TrainOptions& options) {
     if (nn::disabled_fusions() != "none")
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
                   nn::disabled_fusions().c_str());
-    if (device.is_cuda())
+    if (device.is_cuda()) {
+      const ops::AttentionChoice choice = ops::attention_choice();
       std::printf("  attention: %s (--attention or OCTET_ATTENTION: %s)\n",
-                  ops::attention_choice_name(ops::attention_choice()),
-                  ops::attention_choice() == ops::AttentionChoice::flash
-                      ? "octet's own kernels"
-                      : "cuDNN's fused SDPA where it takes the shape, else octet's kernels");
+                  ops::attention_choice_name(choice),
+                  choice == ops::AttentionChoice::flash   ? "octet's own kernels"
+                  : choice == ops::AttentionChoice::cudnn ? "cuDNN's fused SDPA only"
+                                                          : "cuDNN's fused SDPA where it takes "
+                                                            "the shape, else octet's kernels");
+    }
     const std::string lr_origin =
         options.lr == 0 ? " (default for width " + std::to_string(config.dim) + ")" : "";
     std::printf(
