@@ -306,11 +306,17 @@ TEST(CheckpointResume, FromARunDirectoryAndExtendedWithMoreStepsEqualsOneRun) {
   EXPECT_EQ(list_checkpoints(dir / "split").size(), 2u);
 }
 
+/// A two-step run of `precision` into dir/run; returns its options, for a resume.
+TrainOptions two_steps_into(const fs::path& dir, const std::string& precision) {
+  TrainOptions o = micro_options(dir / "run", precision);
+  o.steps = 2;
+  run_train(o);
+  return o;
+}
+
 TEST(CheckpointResume, SaysWhenTheCheckpointWasWrittenUnderOtherRoundings) {
   const auto dir = scratch_dir();
-  TrainOptions first = micro_options(dir / "run", "fp8-delayed");
-  first.steps = 2;
-  run_train(first);
+  const TrainOptions first = two_steps_into(dir, "fp8-delayed");
   const fs::path written = dir / "run" / "checkpoint.safetensors";
   EXPECT_EQ(load_safetensors(written.string()).metadata().at("rounding"), "cpu");
 
@@ -335,9 +341,7 @@ TEST(CheckpointResume, SaysWhenTheCheckpointWasWrittenUnderOtherRoundings) {
 
 TEST(CheckpointResume, ACorruptTensorStopsTheResumeNamingIt) {
   const auto dir = scratch_dir();
-  TrainOptions o = micro_options(dir / "run", "bf16");
-  o.steps = 2;
-  run_train(o);
+  TrainOptions o = two_steps_into(dir, "bf16");
   const fs::path ckpt = dir / "run" / "checkpoint-000002.safetensors";
   std::string bytes = read_file(ckpt);
   bytes[bytes.size() - 3] = static_cast<char>(bytes[bytes.size() - 3] ^ 0x10);  // last tensor
