@@ -12,11 +12,14 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   const auto world = octet::dist::from_environment();
   if (world->rank() != 0) {
-    // One report: rank 0's (the JSON report too: the ranks would write the same file). A failure
-    // on another rank still fails the run (mpirun's exit status) and says so below.
+    // One report: rank 0's. A failure on another rank still fails the run (mpirun's exit status)
+    // and says so below. The JSON writer was installed by InitGoogleTest from --gtest_output, so
+    // clearing the flag is not enough: without removing it, every rank writes the same file and
+    // the interleaved result miscounts (or does not parse).
     GTEST_FLAG_SET(output, "");
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
+    delete listeners.Release(listeners.default_xml_generator());
   }
   const int status = RUN_ALL_TESTS();
   if (world->rank() != 0 && status != 0)
