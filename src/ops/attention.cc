@@ -107,22 +107,6 @@ AttentionChoice env_choice() {
 
 }  // namespace
 
-AttentionChoice parse_attention_choice(std::string_view text, std::string_view source) {
-  AttentionChoice choice;
-  if (text == "flash") {
-    choice = AttentionChoice::flash;
-  } else if (text == "cudnn") {
-    choice = AttentionChoice::cudnn;
-  } else if (text == "auto") {
-    choice = AttentionChoice::automatic;
-  } else {
-    OCTET_ERROR(source, ": unknown attention path '", text,
-                "'; valid values: flash, cudnn, auto (default)");
-  }
-  if (choice == AttentionChoice::cudnn) require_cudnn_built(source);
-  return choice;
-}
-
 const char* attention_choice_name(AttentionChoice choice) {
   switch (choice) {
     case AttentionChoice::flash:
@@ -133,6 +117,18 @@ const char* attention_choice_name(AttentionChoice choice) {
       return "auto";
   }
   return "unknown";
+}
+
+AttentionChoice parse_attention_choice(std::string_view text, std::string_view source) {
+  // The spellings are attention_choice_name's, so parse and print cannot drift apart.
+  for (const AttentionChoice choice :
+       {AttentionChoice::flash, AttentionChoice::cudnn, AttentionChoice::automatic}) {
+    if (text != attention_choice_name(choice)) continue;
+    if (choice == AttentionChoice::cudnn) require_cudnn_built(source);
+    return choice;
+  }
+  OCTET_ERROR(source, ": unknown attention path '", text,
+              "'; valid values: flash, cudnn, auto (default)");
 }
 
 AttentionChoice attention_choice() {
