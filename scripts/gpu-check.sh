@@ -166,34 +166,26 @@ stage_test() {
   fi
   rm -f "$OUT"/tests.json "$OUT"/tests.log
   [[ -n "${TEST_SHARDS:-}" ]] && record test_shard "$index of $shards"
-  if [[ $jobs -le 1 ]]; then
-    local shard=()
-    [[ $shards -gt 1 ]] && shard=(env GTEST_TOTAL_SHARDS="$shards" GTEST_SHARD_INDEX="$index")
-    timeout "$TEST_TIMEOUT" "${shard[@]}" "$TESTS_BIN" --gtest_output="json:$OUT/tests.json" \
-      >"$OUT/tests.log" 2>&1
-    rc=$?
-  else
-    # TEST_JOBS processes share the GPU, each running one gtest shard of this call's shard, with
-    # the host's cores split between their OpenMP pools (the CPU references dominate many tests).
-    local pids=() job_rc threads=$(($(nproc) / jobs))
-    record test_jobs "$jobs"
-    for ((j = 0; j < jobs; j++)); do
-      OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) GTEST_TOTAL_SHARDS=$((shards * jobs)) \
-        GTEST_SHARD_INDEX=$((index * jobs + j)) timeout "$TEST_TIMEOUT" "$TESTS_BIN" \
-        --gtest_output="json:$STATE/tests.$j.json" >"$STATE/tests.$j.log" 2>&1 &
-      pids+=($!)
-    done
-    for ((j = 0; j < jobs; j++)); do
-      wait "${pids[$j]}"
-      job_rc=$?
-      [[ $job_rc -ne 0 && $rc -ne 124 ]] && rc=$job_rc  # a timeout outranks a failure
-      {
-        echo "=== test job $j of $jobs: exit $job_rc"
-        cat "$STATE/tests.$j.log"
-      } >>"$OUT/tests.log"
-    done
-    merge_test_reports "$jobs"
-  fi
+  [[ $jobs -gt 1 ]] && record test_jobs "$jobs"
+  # TEST_JOBS processes share the GPU, each running one gtest shard of this call's shard, with
+  # the host's cores split between their OpenMP pools (the CPU references dominate many tests).
+  local pids=() job_rc threads=$((${OMP_NUM_THREADS:-$(nproc)} / jobs))
+  for ((j = 0; j < jobs; j++)); do
+    OMP_NUM_THREADS=$((threads > 0 ? threads : 1)) GTEST_TOTAL_SHARDS=$((shards * jobs)) \
+      GTEST_SHARD_INDEX=$((index * jobs + j)) timeout "$TEST_TIMEOUT" "$TESTS_BIN" \
+      --gtest_output="json:$STATE/tests.$j.json" >"$STATE/tests.$j.log" 2>&1 &
+    pids+=($!)
+  done
+  for ((j = 0; j < jobs; j++)); do
+    wait "${pids[$j]}"
+    job_rc=$?
+    [[ $job_rc -ne 0 && $rc -ne 124 ]] && rc=$job_rc  # a timeout outranks a failure
+    {
+      [[ $jobs -gt 1 ]] && echo "=== test job $j of $jobs: exit $job_rc"
+      cat "$STATE/tests.$j.log"
+    } >>"$OUT/tests.log"
+  done
+  merge_test_reports "$jobs"
   record test_rc "$rc"
   [[ $rc -eq 124 ]] && fail test "timed out after ${TEST_TIMEOUT}s (tests.log)"
   [[ $rc -ne 0 && $rc -ne 124 ]] && fail test "octet_tests exited $rc (tests.log)"
