@@ -52,8 +52,8 @@ struct TrainBenchResult {
   double timed_gemm_plan_ms = 0;  ///< the host time those queries took, in all timed steps
   /// The fusions that were off (nn::disabled_fusions: --unfuse and OCTET_UNFUSE), or "none".
   std::string unfused = "none";
-  /// The attention choice the run had (OCTET_ATTENTION): "flash", "cudnn" or "auto".
-  std::string attention = "flash";
+  /// The attention choice the run had (--attention, OCTET_ATTENTION): "flash", "cudnn" or "auto".
+  std::string attention = "auto";
 };
 void print_train_bench(const TrainBenchResult& r);
 
