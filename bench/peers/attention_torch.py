@@ -46,6 +46,11 @@ def packed_qkv(b, t, h, d):
     return [qkv[:, :, part].transpose(1, 2).detach().requires_grad_(True) for part in range(3)]
 
 
+def refusal(error):
+    """A backend's refusal, as the "skipped" field gives it: the message's first line."""
+    return str(error).splitlines()[0][:200]
+
+
 def measure(b, t, h, d):
     """({pass: ms or the refusal's message}, whether two backwards repeat bytewise) under the
     active backend and determinism setting."""
@@ -63,8 +68,7 @@ def measure(b, t, h, d):
     try:
         first = backward()
     except RuntimeError as e:  # no (deterministic) backward for this shape
-        refusal = str(e).splitlines()[0][:200]
-        return {**times, "backward": refusal, "forward+backward": refusal}, None
+        return {**times, "backward": refusal(e), "forward+backward": refusal(e)}, None
     repeats = all(torch.equal(x, y) for x, y in zip(first, backward()))
     times["backward"] = median_ms(backward)
     times["forward+backward"] = median_ms(lambda: torch.autograd.grad(forward(), (q, k, v), dout))
@@ -83,7 +87,7 @@ def main():
                     with sdpa_kernel(backend):
                         times, repeats = measure(b, t, h, d)
                 except RuntimeError as e:
-                    times = {p: str(e).splitlines()[0][:200] for p in GEMMS}
+                    times = {p: refusal(e) for p in GEMMS}
                     repeats = None
                 if repeats is not None:
                     row["repeats_bitwise"] = repeats
