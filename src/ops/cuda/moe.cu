@@ -1,10 +1,11 @@
 // CUDA MoE ops: the router (one thread per token, serial over the experts, as the CPU), its
 // statistics (one CTA per expert, fixed_order_reduce.h's order), the plan (one CTA per expert
 // scanning the routed slots in order: a stable layout with integer work only), row-parallel
-// dispatch / combine, and the scaled activation (one CTA per permuted row: its dprob is that CTA's
-// fixed-order reduction; dbias is per-16-row-tile partials in their own slots, then a second pass
-// over each expert's tiles in order). No float atomics anywhere (DESIGN.md rule 3), so every
-// output is the same bytes on every run.
+// dispatch / combine, and the scaled activation (forward: one CTA per permuted row; backward: one
+// warp per row, whose dprob is that warp's fixed-order reduction, and one CTA per 16-row dbias
+// tile, whose partial sums sit in their own slots until a second pass adds each expert's tiles in
+// order). No float atomics anywhere (DESIGN.md rule 3), so every output is the same bytes on every
+// run.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -399,80 +400,149 @@ struct ScaledActivationTile {
   }
 };
 
-/// CTAs per SM that the backward's register budget must allow (64 registers a thread): bf16
-/// swiglu takes 72 unbounded, which fits 3, and fits 64 without spilling.
-constexpr int kBackwardCtasPerSm = 4;
+/// A row's fixed-order sum (fixed_order_reduce.h, kLanes lanes) folded by one warp instead of a
+/// CTA, with no shared memory and no barrier. The warp takes the row in strips of one kN-element
+/// pack per lane, strip q covering elements [q kStrip, q kStrip + kStrip). Element c belongs to
+/// lane value t = c mod kLanes and is its (c / kLanes)-th term, so lane l holds kSlots of the
+/// kLanes values, slot g kN + k being t = g kStrip + kN l + k; strips come in increasing order, so
+/// each value folds its terms in the reference order. reduce() then runs the reference tree's
+/// stages, value[t] += value[t + s] for s = kLanes / 2 ... 1, each stage as a register add (the
+/// partner in the same lane) or a shuffle (the partner s / kN lanes down): the same pairs, so the
+/// same bits as fixed_order_tree.
+template <int kN>
+struct WarpRowFold {
+  static constexpr int kStrip = kWarpSize * kN;
+  static constexpr int kGroups = kLanes / kStrip;
+  static constexpr int kSlots = kGroups * kN;
+  static_assert(kLanes % kStrip == 0, "a strip must divide the lanes of the fixed order");
 
-/// CTA r: dfc1[r] and d_row_prob[r] (its fixed-order reduction over the row's F columns), from
-/// one pass over packs of kN columns of the row.
+  float slot[kSlots];
+
+  __device__ WarpRowFold() {
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) slot[j] = SumOp::identity<float>();
+  }
+
+  /// Folds this lane's terms of strip q (a pack inside the row).
+  __device__ void add(int64_t q, const float (&term)[kN]) {
+    const int g = static_cast<int>(q % kGroups);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+#pragma unroll
+      for (int gg = 0; gg < kGroups; ++gg)  // a constant slot index keeps slot in registers
+        if (gg == g) slot[gg * kN + k] = SumOp{}(slot[gg * kN + k], term[k]);
+    }
+  }
+
+  /// The row's sum, in lane 0. Every lane of the warp must call it.
+  __device__ float reduce() {
+#pragma unroll
+    for (int s = kLanes / 2; s >= 1; s /= 2) {
+      if (s >= kStrip || s < kN) {  // the partner is slot j + s' of the same lane
+        const int step = s >= kStrip ? (s / kStrip) * kN : s;
+#pragma unroll
+        for (int j = 0; j + step < kSlots; ++j) slot[j] = SumOp{}(slot[j], slot[j + step]);
+      } else {  // the partner is the same slot s / kN lanes down
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j)
+          slot[j] = SumOp{}(slot[j], __shfl_down_sync(kFullMask, slot[j], s / kN));
+      }
+    }
+    return slot[0];
+  }
+};
+
+/// Rows of one backward CTA, one warp each: a dbias tile, so the tile's column sums come from the
+/// dh already loaded, with no second pass over dh.
+constexpr int kBackwardRows = static_cast<int>(kMoeBiasTileRows);
+constexpr int kBackwardThreads = kBackwardRows * kWarpSize;
+/// CTAs per SM that the backward's register budget must allow (64 registers a thread).
+constexpr int kBackwardCtasPerSm = 2;
+
+/// CTA b owns rows [16 b, 16 b + 16), warp w row 16 b + w: dfc1 and d_row_prob of that row (its
+/// fixed-order reduction over the row's F columns, WarpRowFold) from one pass over the row in
+/// strips, and, when dbias_partial is set, the tile's dbias partial: sum over the tile's mapped
+/// rows, in row order, of dh * prob, each strip's terms crossing through shared memory.
 template <typename T, MoeActivation kAct, int kN>
-__global__ void __launch_bounds__(kLanes, kBackwardCtasPerSm)
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
     scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
                                       const float* __restrict__ row_prob,
                                       const int32_t* __restrict__ row_map,
                                       const int32_t* __restrict__ offsets, int64_t experts,
-                                      const float* __restrict__ bias, int64_t f,
-                                      T* __restrict__ dfc1, float* __restrict__ d_row_prob) {
-  __shared__ __align__(kVectorBytes) float stage[kLanes * kN];
+                                      const float* __restrict__ bias, int64_t rows, int64_t f,
+                                      T* __restrict__ dfc1, float* __restrict__ d_row_prob,
+                                      float* __restrict__ dbias_partial) {
+  using Fold = WarpRowFold<kN>;
+  constexpr int kStrip = Fold::kStrip;
   constexpr bool kGated = moe::gated(kAct);
-  const int64_t r = blockIdx.x, in_cols = kGated ? 2 * f : f;
-  const int32_t e = moe::expert_of_row(offsets, experts, r);
-  T* d = dfc1 + r * in_cols;
-  if (row_map[2 * r] < 0 || e < 0) {  // uniform across the CTA
-    for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < in_cols; j += blockDim.x * kN)
-      store_zeros<kN>(d + j);
-    if (threadIdx.x == 0) d_row_prob[r] = 0.0f;
-    return;
-  }
+  __shared__ __align__(kVectorBytes) float strip_terms[kBackwardRows][kStrip];
+  __shared__ bool mapped_rows[kBackwardRows];
+  const int w = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int64_t in_cols = kGated ? 2 * f : f;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kBackwardRows + w;
+  const bool inside = r < rows;
+  // Mapped rows hold a routed token (dbias counts them); live rows also lie in an expert group.
+  const bool mapped = inside && row_map[2 * r] >= 0;
+  const int32_t e = inside ? moe::expert_of_row(offsets, experts, r) : -1;
+  const bool live = mapped && e >= 0;
+  const bool with_dbias = dbias_partial != nullptr;  // uniform across the CTA
+  if (with_dbias && lane == 0) mapped_rows[w] = mapped;  // read after the first barrier
   const T* x = fc1 + r * in_cols;
-  const float* b = bias != nullptr ? bias + e * f : nullptr;
-  const float p = row_prob[r];
-  float lane = SumOp::identity<float>();
-  for (int64_t j0 = 0; j0 < f; j0 += kLanes * kN) {
-    const int64_t j = j0 + static_cast<int64_t>(threadIdx.x) * kN;
-    float term[kN] = {};
-    if (j < f) {
-      const ActivationIn<kAct, kN> a(x, f, j);
-      float g[kN], dgate[kN], dup[kN], v[kN];
+  T* d = dfc1 + r * in_cols;
+  const float* b = bias != nullptr && live ? bias + e * f : nullptr;
+  const float p = mapped ? row_prob[r] : 0.0f;
+  Fold fold;
+  for (int64_t q = 0; q * kStrip < f; ++q) {  // the same strips in every warp
+    const int64_t j = q * kStrip + static_cast<int64_t>(lane) * kN;
+    const bool in_row = inside && j < f;
+    if (in_row && mapped) {
+      float g[kN];
       load_floats<kN>(dh + r * f + j, g);
+      if (with_dbias) {  // this row's dbias terms of the strip
+        Pack<float, kN> terms;
 #pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        dgate[k] = dup[k] = 0.0f;
-        moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+        for (int k = 0; k < kN; ++k) terms.v[k] = rn::mul(g[k], p);
+        store_pack<kN>(&strip_terms[w][lane * kN], terms);
       }
-      store_pack<kN>(d + j, round_pack<T>(dgate));
-      if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
-      a.value(b, j, v);
+      if (live) {
+        const ActivationIn<kAct, kN> a(x, f, j);
+        float v[kN];  // the dprob terms first: fewer values live at once
+        a.value(b, j, v);
 #pragma unroll
-      for (int k = 0; k < kN; ++k) term[k] = rn::mul(g[k], v[k]);
+        for (int k = 0; k < kN; ++k) v[k] = rn::mul(g[k], v[k]);
+        fold.add(q, v);
+        float dgate[kN], dup[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          dgate[k] = dup[k] = 0.0f;
+          moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+        }
+        store_pack<kN>(d + j, round_pack<T>(dgate));
+        if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
+      }
     }
-    lane = fold_chunk<kN>(lane, term, f - j0, stage);
-  }
-  const float dot = fixed_order_tree<kLanes>(lane, SumOp{}, stage);
-  if (threadIdx.x == 0) d_row_prob[r] = dot;
-}
-
-/// Pass 1 of dbias: partial[tile, j] = sum over the tile's mapped rows, in order, of dh * prob; a
-/// thread owns kN columns.
-template <typename T, int kN>
-__global__ void dbias_tile_partials_kernel(const T* __restrict__ dh,
-                                           const float* __restrict__ row_prob,
-                                           const int32_t* __restrict__ row_map, int64_t f,
-                                           float* __restrict__ partial) {
-  const int64_t tile = blockIdx.x;
-  const int64_t j = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * kN;
-  if (j >= f) return;
-  Pack<float, kN> acc;
+    if (in_row && !live) {
+      store_zeros<kN>(d + j);
+      if constexpr (kGated) store_zeros<kN>(d + f + j);
+    }
+    if (!with_dbias) continue;
+    // The strip's column sums over the tile's mapped rows, in row order.
+    __syncthreads();
+    const int64_t tile = blockIdx.x;
+    for (int c = static_cast<int>(threadIdx.x); c < kStrip; c += kBackwardThreads) {
+      const int64_t col = q * kStrip + c;
+      if (col >= f || (tile + 1) * kBackwardRows > rows) continue;
+      float acc = 0.0f;
 #pragma unroll
-  for (int k = 0; k < kN; ++k) acc.v[k] = 0.0f;
-  for (int64_t r = tile * kMoeBiasTileRows; r < (tile + 1) * kMoeBiasTileRows; ++r) {
-    if (row_map[2 * r] < 0) continue;
-    float g[kN];
-    load_floats<kN>(dh + r * f + j, g);
-#pragma unroll
-    for (int k = 0; k < kN; ++k) acc.v[k] = rn::add(acc.v[k], rn::mul(g[k], row_prob[r]));
+      for (int row = 0; row < kBackwardRows; ++row)
+        if (mapped_rows[row]) acc = rn::add(acc, strip_terms[row][c]);
+      dbias_partial[tile * f + col] = acc;
+    }
+    __syncthreads();  // the next strip rewrites strip_terms
   }
-  store_pack<kN>(partial + tile * f + j, acc);
+  const float dot = fold.reduce();
+  if (inside && lane == 0) d_row_prob[r] = live ? dot : 0.0f;
 }
 
 /// Pass 2: dbias[e, j] = sum of e's tiles' partials in tile order.
@@ -683,37 +753,31 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
                                     const Tensor& d_row_prob, const Tensor& dbias) {
   const cudaStream_t stream = octet::cuda::stream(fc1.device());
   const int64_t rows = dh.rows(), f = dh.cols();
+  // dbias: the backward kernel writes each tile's partial, a second kernel sums each expert's
+  // tiles in order.
+  const int64_t tiles = rows / kMoeBiasTileRows;
+  const Tensor partial =
+      dbias.defined() ? Tensor::empty({tiles, f}, DType::f32, fc1.device()) : Tensor();
   visit(fc1.dtype(), [&](auto type) {
     using T = decltype(type);
     const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
       visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
         scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
-            <<<static_cast<unsigned>(rows), kLanes, 0, stream>>>(
-                in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-                in<int32_t>(plan.offsets), plan.experts(), b, f, out<T>(dfc1),
-                out<float>(d_row_prob));
+            <<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, 0,
+               stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                         in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
+                         out<float>(d_row_prob), quant::data_or_null<float>(partial));
         OCTET_CHECK_LAUNCH();
       });
     });
-    if (!dbias.defined()) return;
-    const int64_t tiles = rows / kMoeBiasTileRows;
-    const Tensor partial = Tensor::empty({tiles, f}, DType::f32, fc1.device());
-    visit_pack<T>(f, {dh.raw_data(), partial.raw_data()}, [&](auto pack) {
-      constexpr int kN = decltype(pack)::value;
-      const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads * kN));
-      dbias_tile_partials_kernel<T, kN>
-          <<<dim3(static_cast<unsigned>(tiles), column_blocks), kThreads, 0, stream>>>(
-              in<T>(dh), in<float>(row_prob), in<int32_t>(plan.row_map), f, out<float>(partial));
-      OCTET_CHECK_LAUNCH();
-    });
-    const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));
-    dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks),
-                              kThreads, 0, stream>>>(in<float>(partial),
-                                                     in<int32_t>(plan.offsets), f,
-                                                     out<float>(dbias));
-    OCTET_CHECK_LAUNCH();
   });
+  if (!dbias.defined()) return;
+  const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));
+  dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks), kThreads,
+                            0, stream>>>(in<float>(partial), in<int32_t>(plan.offsets), f,
+                                         out<float>(dbias));
+  OCTET_CHECK_LAUNCH();
 }
 
 }  // namespace octet::ops::cuda
