@@ -161,11 +161,12 @@ __device__ __forceinline__ void store_fp8_run(uint8_t* p, int64_t count, bool ve
   }
 }
 
-/// Stores 16 floats as T (f32, or bf16 bits).
-template <typename T>
+/// Stores kN floats (a whole number of 16-byte vectors of T) as T (f32, or bf16 bits).
+template <typename T, int kN = kRunElems>
 __device__ __forceinline__ void store_run(T* p, int64_t count, bool vec, const float* v) {
-  if (vec && count >= kRunElems) {
-    constexpr int kVectors = kRunElems / kVecElems<T>;
+  static_assert(kN % kVecElems<T> == 0, "runs of whole 16-byte vectors");
+  if (vec && count >= kN) {
+    constexpr int kVectors = kN / kVecElems<T>;
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
       uint32_t w[4];
@@ -182,7 +183,7 @@ __device__ __forceinline__ void store_run(T* p, int64_t count, bool vec, const f
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < kRunElems; ++i)
+    for (int i = 0; i < kN; ++i)
       if (i < count) p[i] = from_float<T>(v[i]);
   }
 }

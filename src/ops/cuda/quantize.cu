@@ -110,18 +110,28 @@ __device__ __forceinline__ bool has_special_code(uint32_t w) {
   }
 }
 
-/// v[e] = decode(byte e of w) * scale_inv for a 16-byte run, bit-equal to the CPU's
-/// `decode(q) * scale_inv`. A run of ordinary codes under a finite scale_inv takes the hardware
-/// pair decode (cvt to f16x2: exact, every E4M3 and E5M2 value is an f16) and cannot make a NaN;
-/// a run holding a NaN or inf code, or under a non-finite scale_inv, takes the formula and
+/// Elements of one dequantize run: one 16-byte vector of the output (8 bf16, 4 f32), so that the
+/// lanes of a warp store consecutive 16-byte vectors and every store instruction fills whole
+/// 32-byte sectors. (With 16-element runs a lane stored 32 or 64 contiguous bytes in two or four
+/// instructions, each writing half or a quarter of every sector it touched: the L2 took two or
+/// four partial writes a sector and saturated before DRAM did.)
+template <typename TOut>
+inline constexpr int kDequantRunElems = kVecElems<TOut>;
+
+/// v[e] = decode(byte e of w) * scale_inv for a run of kN codes (kN / 4 words), bit-equal to the
+/// CPU's `decode(q) * scale_inv`. A run of ordinary codes under a finite scale_inv takes the
+/// hardware pair decode (cvt to f16x2: exact, every E4M3 and E5M2 value is an f16) and cannot make
+/// a NaN; a run holding a NaN or inf code, or under a non-finite scale_inv, takes the formula and
 /// mul_like_host's NaN bits. One branch per run, not per element.
-template <DType kFp8>
-__device__ __forceinline__ void decode_run(const uint32_t (&w)[4], float scale_inv, float* v) {
-  const bool special = has_special_code<kFp8>(w[0]) || has_special_code<kFp8>(w[1]) ||
-                       has_special_code<kFp8>(w[2]) || has_special_code<kFp8>(w[3]);
+template <DType kFp8, int kN>
+__device__ __forceinline__ void decode_run(const uint32_t (&w)[kN / 4], float scale_inv,
+                                           float (&v)[kN]) {
+  bool special = false;
+#pragma unroll
+  for (int k = 0; k < kN / 4; ++k) special = special || has_special_code<kFp8>(w[k]);
   if (!special && isfinite(scale_inv)) {
 #pragma unroll
-    for (int k = 0; k < kRunElems / 2; ++k) {
+    for (int k = 0; k < kN / 2; ++k) {
       const auto pair = static_cast<__nv_fp8x2_storage_t>(w[k / 2] >> (16 * (k % 2)));
       const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, kFp8Interp<kFp8>)));
       v[2 * k] = f.x * scale_inv;
@@ -130,20 +140,23 @@ __device__ __forceinline__ void decode_run(const uint32_t (&w)[4], float scale_i
     return;
   }
 #pragma unroll
-  for (int e = 0; e < kRunElems; ++e) {
+  for (int e = 0; e < kN; ++e) {
     const uint8_t q = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
     v[e] = mul_like_host(fp8::decode_fp8(q, kFp8), scale_inv);
   }
 }
 
-/// out = decode(q) * scale_inv of q's block, as f32 or bf16, over 16-element runs of rows (a run
-/// never straddles a block: block widths are multiples of 16). Reads 1 B + writes sizeof(TOut)
-/// per element with 16-byte accesses when aligned; a memory-bound map. The tensor and flat_blocks
-/// lookups need p.vec (so run s starts at element 16 s) and skip the general form's 64-bit
-/// divisions; each thread loads two runs before it decodes either, to keep more bytes in flight.
+/// out = decode(q) * scale_inv of q's block, as f32 or bf16, over runs of kN = kDequantRunElems
+/// elements of rows (a run never straddles a block: block widths are multiples of 16). Reads 1 B
+/// + writes sizeof(TOut) per element; aligned runs load their kN codes in one access and store one
+/// 16-byte vector, and a warp's accesses are contiguous: a memory-bound map. The tensor and
+/// flat_blocks lookups need p.vec (so run s starts at element kN s) and skip the general form's
+/// 64-bit divisions; each thread loads kRuns runs before it decodes any, to keep 32 bytes of codes
+/// in flight.
 template <typename TOut, DType kFp8, ScaleLookup kLookup>
 __global__ void __launch_bounds__(kFlatThreads) dequantize_kernel(const DequantParams p) {
-  const int64_t runs_per_row = (p.cols + kRunElems - 1) / kRunElems;
+  constexpr int kN = kDequantRunElems<TOut>, kWords = kN / 4, kRuns = 32 / kN;
+  const int64_t runs_per_row = (p.cols + kN - 1) / kN;
   const int64_t runs = p.rows * runs_per_row;
   TOut* out = static_cast<TOut*>(p.out);
   const auto scale_of = [&](int64_t block) {
@@ -153,40 +166,45 @@ __global__ void __launch_bounds__(kFlatThreads) dequantize_kernel(const DequantP
   const float tensor_scale_inv = kLookup == ScaleLookup::tensor ? scale_of(0) : 0.0f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kFlatThreads;
   for (int64_t first = static_cast<int64_t>(blockIdx.x) * kFlatThreads + threadIdx.x;
-       first < runs; first += 2 * stride) {
-    uint32_t w[2][4] = {};
-    int64_t at[2], count[2];
-    float scale_inv[2];
+       first < runs; first += kRuns * stride) {
+    uint32_t w[kRuns][kWords] = {};
+    int64_t at[kRuns], count[kRuns];
+    float scale_inv[kRuns];
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < kRuns; ++k) {
       const int64_t s = first + k * stride;
       if (s >= runs) break;
       if constexpr (kLookup == ScaleLookup::general) {
-        const int64_t r = s / runs_per_row, c = (s % runs_per_row) * kRunElems;
+        const int64_t r = s / runs_per_row, c = (s % runs_per_row) * kN;
         at[k] = r * p.cols + c;
         count[k] = p.cols - c;
         scale_inv[k] = scale_of((r / p.block_rows) * p.scale_cols + c / p.block_cols);
       } else {
-        at[k] = s * kRunElems;
-        count[k] = kRunElems;
+        at[k] = s * kN;
+        count[k] = kN;
         scale_inv[k] = kLookup == ScaleLookup::tensor ? tensor_scale_inv
                                                       : scale_of(at[k] >> p.block_shift);
       }
-      if (p.vec && count[k] >= kRunElems) {
-        const uint4 u = *reinterpret_cast<const uint4*>(p.q + at[k]);
-        w[k][0] = u.x, w[k][1] = u.y, w[k][2] = u.z, w[k][3] = u.w;
+      if (p.vec && count[k] >= kN) {
+        if constexpr (kWords == 2) {
+          const uint2 u = *reinterpret_cast<const uint2*>(p.q + at[k]);
+          w[k][0] = u.x, w[k][1] = u.y;
+        } else {
+          static_assert(kWords == 1, "runs of 4 or 8 codes");
+          w[k][0] = *reinterpret_cast<const uint32_t*>(p.q + at[k]);
+        }
       } else {
 #pragma unroll
-        for (int e = 0; e < kRunElems; ++e)
+        for (int e = 0; e < kN; ++e)
           if (e < count[k]) w[k][e / 4] |= static_cast<uint32_t>(p.q[at[k] + e]) << (8 * (e % 4));
       }
     }
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
+    for (int k = 0; k < kRuns; ++k) {
       if (first + k * stride >= runs) break;
-      float v[kRunElems];
-      decode_run<kFp8>(w[k], scale_inv[k], v);
-      store_run<TOut>(out + at[k], count[k], p.vec, v);
+      float v[kN];
+      decode_run<kFp8, kN>(w[k], scale_inv[k], v);
+      store_run<TOut, kN>(out + at[k], count[k], p.vec, v);
     }
   }
 }
