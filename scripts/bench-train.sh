@@ -6,7 +6,8 @@
 # PEER_MODE=compile|eager|both (default both) picks the PyTorch peer's modes; MODELS (default
 # "gpt2-124m gpt2-1.5b") the sizes; OCTET_RUNS (default "fp8-delayed bf16") octet's runs, each a
 # precision optionally followed by octet flags joined with '+', e.g.
-# "fp8-delayed fp8-delayed+--unfuse+input-recast bf16".
+# "fp8-delayed fp8-delayed+--unfuse+input-recast bf16"; SHAPES (default "8x1024") the batch x
+# sequence shapes each model runs at, e.g. MODELS=gpt2-124m SHAPES=32x1024.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR="${1:-build-gpu}"
@@ -23,11 +24,14 @@ run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to 
   fi
 }
 for model in ${MODELS:-gpt2-124m gpt2-1.5b}; do
-  for octet_run in ${OCTET_RUNS:-fp8-delayed bf16}; do
-    read -r -a flags <<<"${octet_run//+/ }"
-    run 150 "$BUILD_DIR/octet" bench train --model "$model" --precision "${flags[@]}" \
-      --vocab 50304 --batch 8 --seq 1024 --steps 10 --warmup-steps 3
+  for shape in ${SHAPES:-8x1024}; do
+    batch=${shape%x*} seq=${shape#*x}
+    for octet_run in ${OCTET_RUNS:-fp8-delayed bf16}; do
+      read -r -a flags <<<"${octet_run//+/ }"
+      run 150 "$BUILD_DIR/octet" bench train --model "$model" --precision "${flags[@]}" \
+        --vocab 50304 --batch "$batch" --seq "$seq" --steps 10 --warmup-steps 3
+    done
+    run 240 python3 bench/peers/gpt2_torch.py --model "$model" --batch "$batch" --seq "$seq" \
+      --steps 10 --warmup 3 --mode "${PEER_MODE:-both}"
   done
-  run 240 python3 bench/peers/gpt2_torch.py --model "$model" --batch 8 --seq 1024 --steps 10 \
-    --warmup 3 --mode "${PEER_MODE:-both}"
 done
