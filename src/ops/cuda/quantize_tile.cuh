@@ -163,25 +163,46 @@ __device__ __forceinline__ void load_tile(const TileParams& p, const T* x, bool 
   __syncthreads();
 }
 
-/// The 16-element run `run` of tile row r, as floats.
+/// Two bf16 maxima in one word: m's halves raised to the abs bits of w's halves. Over bf16 words
+/// this takes one masking and a third of a three-way packed max (VIMNMX3.U16x2) per two elements,
+/// where abs_bits on the unpacked floats takes a masking and half a max per element; the maxima
+/// are the same, since a bf16's float bits are its bits shifted up by 16.
+__device__ __forceinline__ uint32_t bf16x2_abs_max(uint32_t m, uint32_t w) {
+  return __vmaxu2(m, w & 0x7FFF7FFFu);
+}
+
+/// The 16-element run `run` of tile row r, as floats; returns its max abs_bits (unused results
+/// cost nothing: the compiler drops them).
 template <typename T>
-__device__ __forceinline__ void read_row_run(const T* tile, int r, int run, float* v) {
+__device__ __forceinline__ uint32_t read_row_run(const T* tile, int r, int run, float* v) {
   using L = TileLayout<T>;
+  uint32_t packed = 0;  // bf16: the run's two half-word maxima
 #pragma unroll
   for (int k = 0; k < L::kChunksPerRun; ++k) {
     const uint4 u =
         *reinterpret_cast<const uint4*>(tile + L::chunk_offset(r, run * L::kChunksPerRun + k));
     unpack<T>(u, v + k * L::kChunkElems);
+    if constexpr (sizeof(T) == sizeof(uint16_t)) {
+      packed = bf16x2_abs_max(bf16x2_abs_max(packed, u.x), u.y);
+      packed = bf16x2_abs_max(bf16x2_abs_max(packed, u.z), u.w);
+    }
+  }
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return run_amax_bits(v);
+  } else {
+    return max(packed << 16, packed & 0xFFFF0000u);
   }
 }
 
-/// Columns c and c + 1 (c even) of tile rows [r_begin, r_begin + 16), r_begin a multiple of 16.
+/// Columns c and c + 1 (c even) of tile rows [r_begin, r_begin + 16), r_begin a multiple of 16;
+/// amax_a and amax_b get each column's max abs_bits (dropped by the compiler when unused).
 template <typename T>
 __device__ __forceinline__ void read_column_pair(const T* tile, int r_begin, int c, float* a,
-                                                 float* b) {
+                                                 float* b, uint32_t& amax_a, uint32_t& amax_b) {
   using L = TileLayout<T>;
   // One swizzle for the whole run (chunk_offset depends on r / 16 only): row k is k * kTile on.
   const T* pair = tile + L::chunk_offset(r_begin, c / L::kChunkElems) + c % L::kChunkElems;
+  uint32_t packed = 0;  // bf16: column c's maximum in the low half, c + 1's in the high half
 #pragma unroll
   for (int k = 0; k < kRunElems; ++k) {
     if constexpr (sizeof(T) == sizeof(float)) {
@@ -192,7 +213,15 @@ __device__ __forceinline__ void read_column_pair(const T* tile, int r_begin, int
       const uint32_t w = *reinterpret_cast<const uint32_t*>(pair + k * kTile);
       a[k] = __uint_as_float(w << 16);
       b[k] = __uint_as_float(w & 0xFFFF0000u);
+      packed = bf16x2_abs_max(packed, w);
     }
+  }
+  if constexpr (sizeof(T) == sizeof(float)) {
+    amax_a = run_amax_bits(a);
+    amax_b = run_amax_bits(b);
+  } else {
+    amax_a = packed << 16;
+    amax_b = packed & 0xFFFF0000u;
   }
 }
 
@@ -209,17 +238,15 @@ __device__ __forceinline__ void quantize_tile_rows(const TileParams& p, const T*
     const int r = static_cast<int>(threadIdx.x) / kRunsPerRow + i * kRowsPerRowPass;
     const int64_t gr = ti * kTile + r;
     float v[kRunElems];
-    read_row_run<T>(tile, r, run, v);
+    const uint32_t m = read_row_run<T>(tile, r, run, v);
     float multiplier = tile_multiplier;
     if constexpr (kMode == ScalingMode::block_1x128) {
-      const uint32_t m = run_amax_bits(v);
       amax_bits = max(amax_bits, m);
       const uint32_t block = lane_group_max<kRunsPerRow - 1>(m);  // the 8 lanes of row r
       multiplier = fp8::block_scale(fp8::bits_float(block), kFp8Max<kFp8>, p.power_of_2);
       if (run == 0 && gr < p.rows)
         static_cast<float*>(p.scale_inv)[gr * p.tile_cols + tj] = fp8::scale_inv_of(multiplier);
     } else if constexpr (kMode == ScalingMode::mxfp8_1x32) {
-      const uint32_t m = run_amax_bits(v);
       amax_bits = max(amax_bits, m);
       const uint32_t block = lane_group_max<kRunsPerMx - 1>(m);  // the 2 lanes of a 32-block
       const uint8_t e = fp8::mxfp8_scale_inv(fp8::bits_float(block), kFp8Max<kFp8>);
@@ -227,7 +254,7 @@ __device__ __forceinline__ void quantize_tile_rows(const TileParams& p, const T*
       if (run % kRunsPerMx == 0 && gr < p.rows && gc < p.cols)
         static_cast<uint8_t*>(p.scale_inv)[gr * p.mx_cols + gc / kMx] = e;
     } else if constexpr (kMode == ScalingMode::per_tensor) {
-      if (want_amax) amax_bits = max(amax_bits, run_amax_bits(v));
+      if (want_amax) amax_bits = max(amax_bits, m);
     }
     const uint4 q = quantize_run<kFp8>(v, multiplier);
     if (gr < p.rows) store_fp8_run(p.data + gr * p.cols + gc, p.cols - gc, p.data_vec, q);
@@ -278,10 +305,10 @@ __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T*
     const int c = (warp + i * kTileWarps) * kColsPerWarp + 2 * pair;
     const int64_t gc = tj * kTile + c;  // columns gc and gc + 1 of x
     float a[kRunElems], b[kRunElems];
-    read_column_pair<T>(tile, r, c, a, b);
+    uint32_t ma, mb;  // the two columns' max abs_bits
+    read_column_pair<T>(tile, r, c, a, b, ma, mb);
     float mul_a = tile_multiplier, mul_b = tile_multiplier;
     if constexpr (kMode == ScalingMode::block_1x128) {
-      const uint32_t ma = run_amax_bits(a), mb = run_amax_bits(b);
       amax_bits = max(amax_bits, max(ma, mb));
       constexpr unsigned kColumnLanes = (kColRunsPerCol - 1) * kColPairsPerWarp;
       mul_a = fp8::block_scale(fp8::bits_float(lane_group_max<kColumnLanes>(ma)), kFp8Max<kFp8>,
@@ -294,7 +321,6 @@ __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T*
         if (gc + 1 < p.cols) s[(gc + 1) * p.tile_rows + ti] = fp8::scale_inv_of(mul_b);
       }
     } else if constexpr (kMode == ScalingMode::mxfp8_1x32) {
-      const uint32_t ma = run_amax_bits(a), mb = run_amax_bits(b);
       amax_bits = max(amax_bits, max(ma, mb));
       constexpr unsigned kBlockLanes = (kRunsPerMx - 1) * kColPairsPerWarp;
       const uint8_t ea =
@@ -309,7 +335,7 @@ __device__ __forceinline__ void quantize_tile_cols(const TileParams& p, const T*
         if (gc + 1 < p.cols) s[(gc + 1) * p.mx_rows + gr / kMx] = eb;
       }
     } else if constexpr (kMode == ScalingMode::per_tensor) {
-      if (want_amax) amax_bits = max(amax_bits, max(run_amax_bits(a), run_amax_bits(b)));
+      if (want_amax) amax_bits = max(amax_bits, max(ma, mb));
     }
     if (p.col_partials != nullptr) add_column_partials(p, ti, gc, pair, col_run, a, b);
     const uint4 qa = quantize_run<kFp8>(a, mul_a);
@@ -357,9 +383,9 @@ __device__ __forceinline__ void quantize_staged_tile(const TileParams& p, int64_
 #pragma unroll
     for (int i = 0; i < kRowPasses; ++i) {
       float v[kRunElems];
-      read_row_run<T>(tile, static_cast<int>(threadIdx.x) / kRunsPerRow + i * kRowsPerRowPass,
-                      static_cast<int>(threadIdx.x) % kRunsPerRow, v);
-      m = max(m, run_amax_bits(v));
+      m = max(m, read_row_run<T>(tile,
+                                 static_cast<int>(threadIdx.x) / kRunsPerRow + i * kRowsPerRowPass,
+                                 static_cast<int>(threadIdx.x) % kRunsPerRow, v));
     }
     amax_bits = block_max<kTileThreads>(m, scratch);  // the tile's amax, in every thread
     multiplier = fp8::block_scale(fp8::bits_float(amax_bits), kFp8Max<kFp8>, p.power_of_2);
