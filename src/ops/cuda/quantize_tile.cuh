@@ -15,8 +15,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
-#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <span>
@@ -130,12 +128,12 @@ struct TileParams {
 // ----------------------------------------------------------------------------
 // Device pieces of the tile kernel
 
-/// Starts copying the tile at (r0, c0) of x into shared memory; cells outside x become 0, which no
-/// amax notices and no store writes back. Full, aligned chunks go by cp.async (8 or 16 per thread
-/// in flight, not yet committed or waited for), the rest element by element.
+/// Copies the tile at (r0, c0) of x into shared memory; cells outside x become 0, which no amax
+/// notices and no store writes back. Full, aligned chunks go by cp.async (8 or 16 per thread in
+/// flight), the rest element by element.
 template <typename T>
-__device__ __forceinline__ void issue_tile_load(const TileParams& p, const T* x, bool x_vec,
-                                                T* tile, int64_t r0, int64_t c0) {
+__device__ __forceinline__ void load_tile(const TileParams& p, const T* x, bool x_vec, T* tile,
+                                          int64_t r0, int64_t c0) {
   using L = TileLayout<T>;
   static_assert(kTile * L::kChunksPerRow % kTileThreads == 0, "whole chunks per thread");
 #pragma unroll
@@ -152,13 +150,6 @@ __device__ __forceinline__ void issue_tile_load(const TileParams& p, const T* x,
         dst[e] = (gr < p.rows && gc + e < p.cols) ? x[gr * p.cols + gc + e] : T(0);
     }
   }
-}
-
-/// issue_tile_load, then waits until the whole tile is in shared memory for every thread.
-template <typename T>
-__device__ __forceinline__ void load_tile(const TileParams& p, const T* x, bool x_vec, T* tile,
-                                          int64_t r0, int64_t c0) {
-  issue_tile_load<T>(p, x, x_vec, tile, r0, c0);
   cp_async_wait_all();
   __syncthreads();
 }
@@ -359,16 +350,17 @@ struct LoadTile {
 // ----------------------------------------------------------------------------
 // The kernel
 
-/// Quantizes the 128x128 tile `index` (row-major over the tile grid) of x, already staged in
-/// `tile` (TileLayout<T>::kBytes of shared memory), into the row-wise and/or column-wise copy in
-/// scaling mode kMode, with their scales; raises amax_bits to this thread's max abs_bits of the
-/// tile for p.amax. Run by all kTileThreads threads of a CTA; `scratch` is kTileWarps words.
-template <typename T, ScalingMode kMode, DType kFp8>
-__device__ __forceinline__ void quantize_staged_tile(const TileParams& p, int64_t index,
-                                                     const T* tile, uint32_t* scratch,
-                                                     uint32_t& thread_amax_bits) {
+/// Quantizes the 128x128 tile `index` (row-major over the tile grid) of x, as Source stages it,
+/// into the row-wise and/or column-wise copy in scaling mode kMode, with their scales and optional
+/// amax: the body of the tile kernels, run by all kTileThreads threads of a CTA. `tile` is
+/// TileLayout<T>::kBytes of shared memory, `scratch` kTileWarps words.
+template <typename T, ScalingMode kMode, DType kFp8, typename Source>
+__device__ __forceinline__ void quantize_tile(const TileParams& p, const Source& source,
+                                              int64_t index, T* tile, uint32_t* scratch) {
   const int64_t ti = index / p.tile_cols, tj = index % p.tile_cols;
-  uint32_t amax_bits = 0;   // this thread's max abs_bits over the tile
+  source.stage(p, tile, ti * kTile, tj * kTile);
+
+  uint32_t amax_bits = 0;   // this thread's max abs_bits(x), for p.amax
   float multiplier = 1.0f;  // per_tensor and block_128x128: the tile's one multiplier
   if constexpr (kMode == ScalingMode::per_tensor) {
     multiplier = *p.scale;
@@ -404,17 +396,6 @@ __device__ __forceinline__ void quantize_staged_tile(const TileParams& p, int64_
     quantize_tile_cols<T, kMode, kFp8>(p, tile, ti, tj, multiplier, want_amax && p.data == nullptr,
                                        amax_bits);
   }
-  thread_amax_bits = max(thread_amax_bits, amax_bits);
-}
-
-/// Stages the tile `index` as Source does, quantizes it (quantize_staged_tile) and publishes its
-/// amax: the body of the one-tile-per-CTA kernels.
-template <typename T, ScalingMode kMode, DType kFp8, typename Source>
-__device__ __forceinline__ void quantize_tile(const TileParams& p, const Source& source,
-                                              int64_t index, T* tile, uint32_t* scratch) {
-  source.stage(p, tile, index / p.tile_cols * kTile, index % p.tile_cols * kTile);
-  uint32_t amax_bits = 0;
-  quantize_staged_tile<T, kMode, kFp8>(p, index, tile, scratch, amax_bits);
   if (p.amax != nullptr) publish_amax<kTileThreads>(amax_bits, p.amax, scratch);
 }
 
@@ -429,45 +410,6 @@ __global__ void __launch_bounds__(kTileThreads)
   extern __shared__ uint4 tile_smem[];  // TileLayout<T>::kBytes
   __shared__ uint32_t scratch[kTileWarps];
   quantize_tile<T, kMode, kFp8>(p, source, blockIdx.x, reinterpret_cast<T*>(tile_smem), scratch);
-}
-
-/// CTAs per SM that the pipelined kernel's registers must allow (128 a thread). Its two bf16 tile
-/// buffers (64 KiB) would let three share an SM's shared memory, but at 80 registers the loop
-/// spills; two CTAs, each with a tile in flight while it works on another, keep as many bytes
-/// moving as four one-tile CTAs that alternate between loading and working.
-inline constexpr int kPipelinedCtasPerSm = 2;
-
-/// The tile kernel for a matrix in global memory (LoadTile) with the loads overlapping the work:
-/// each CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... (a grid of the CTAs that fit at
-/// once) with two tile buffers, its cp.async copies of the next tile in flight while it quantizes
-/// the current one. A one-tile CTA instead waits for its whole tile before any work and leaves
-/// DRAM idle while its SM's CTAs compute. The results are the one-tile kernel's: the same body
-/// on the same tiles. amax is published once per CTA.
-template <typename T, ScalingMode kMode, DType kFp8>
-__global__ void __launch_bounds__(kTileThreads, kPipelinedCtasPerSm)
-    quantize_tile_pipelined_kernel(const TileParams p, const LoadTile<T> source) {
-  extern __shared__ uint4 tile_smem[];  // 2 * TileLayout<T>::kBytes
-  __shared__ uint32_t scratch[kTileWarps];
-  // Buffer k of the two (an index into an array of pointers would put the array in local memory).
-  const auto buffer = [&](int k) { return reinterpret_cast<T*>(tile_smem) + (k & 1) * kTile * kTile; };
-  const int64_t tiles = p.tile_rows * p.tile_cols, stride = gridDim.x;
-  const auto issue = [&](int64_t index, T* tile) {
-    issue_tile_load<T>(p, source.x, source.x_vec, tile, index / p.tile_cols * kTile,
-                       index % p.tile_cols * kTile);
-  };
-  uint32_t amax_bits = 0;
-  int64_t index = blockIdx.x;  // < tiles: the grid has at most one CTA a tile
-  issue(index, buffer(0));
-  cp_async_commit();
-  for (int k = 0; index < tiles; index += stride, ++k) {
-    if (index + stride < tiles) issue(index + stride, buffer(k + 1));
-    cp_async_commit();  // possibly empty: one group per tile keeps the count below true
-    cp_async_wait<1>();  // every group but the newest has landed: this tile's
-    __syncthreads();     // ... for every thread, and its element-wise cells too
-    quantize_staged_tile<T, kMode, kFp8>(p, index, buffer(k), scratch, amax_bits);
-    __syncthreads();  // the next iteration's copies overwrite this buffer
-  }
-  if (p.amax != nullptr) publish_amax<kTileThreads>(amax_bits, p.amax, scratch);
 }
 
 /// Matrices per launch of the group kernel: a TileGroup of 16 with an MoE expert's source is
@@ -558,36 +500,6 @@ void launch_quantize_tile(const TileParams& p, const Source& source, const Devic
                         stream, p, source);
 }
 
-/// Launches the pipelined tile kernel with as many CTAs as fit on the device at once (at most one
-/// per tile).
-template <typename T, ScalingMode kMode, DType kFp8>
-void launch_quantize_tile_pipelined(const TileParams& p, const LoadTile<T>& source,
-                                    const Device& device, cudaStream_t stream) {
-  constexpr int kSmemBytes = 2 * TileLayout<T>::kBytes;
-  const auto kernel = quantize_tile_pipelined_kernel<T, kMode, kFp8>;
-  // CTAs per SM, per device (0: not yet asked): the opt-in to kSmemBytes comes first.
-  static std::atomic<int> ctas_per_sm[64];
-  OCTET_CHECK(device.index >= 0 && device.index < 64, "quantize: device index ", device.index,
-              " is outside [0, 64)");
-  int per_sm = ctas_per_sm[device.index].load(std::memory_order_relaxed);
-  if (per_sm == 0) {
-    OCTET_CHECK_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                          cudaSharedmemCarveoutMaxShared));
-    OCTET_CHECK_CUDA(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileThreads, kSmemBytes));
-    OCTET_CHECK(per_sm > 0, "quantize: the pipelined tile kernel fits no CTA on ", device.str());
-    ctas_per_sm[device.index].store(per_sm, std::memory_order_relaxed);
-  }
-  const int64_t tiles = p.tile_rows * p.tile_cols;
-  const int64_t resident =
-      static_cast<int64_t>(per_sm) * octet::cuda::properties(device).multiProcessorCount;
-  kernel<<<static_cast<unsigned>(std::min(tiles, resident)), kTileThreads, kSmemBytes, stream>>>(
-      p, source);
-  OCTET_CHECK_LAUNCH();
-}
-
 template <typename T, ScalingMode kMode, DType kFp8, typename Source>
 void launch_quantize_tile_group(const TileGroup<Source>& group, const Device& device,
                                 cudaStream_t stream) {
@@ -643,15 +555,8 @@ bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const
   const cudaStream_t stream = octet::cuda::stream(device);
   visit_mode(out.mode, [&](auto mode_tag) {
     visit_fp8(out.dtype, [&](auto fp8_tag) {
-      constexpr ScalingMode kMode = decltype(mode_tag)::value;
-      constexpr DType kFp8 = decltype(fp8_tag)::value;
-      // A matrix in memory takes the pipelined kernel; f32 tiles are too large for two buffers
-      // to leave more than one CTA an SM, and computed sources stage with ordinary loads.
-      if constexpr (std::is_same_v<Source, LoadTile<T>> && sizeof(T) == sizeof(uint16_t)) {
-        launch_quantize_tile_pipelined<T, kMode, kFp8>(p, source, device, stream);
-      } else {
-        launch_quantize_tile<T, kMode, kFp8>(p, source, device, stream);
-      }
+      launch_quantize_tile<T, decltype(mode_tag)::value, decltype(fp8_tag)::value>(p, source,
+                                                                                   device, stream);
     });
   });
   if (!col_partials.defined()) return false;
