@@ -39,16 +39,18 @@
 #   OUT                  output folder (default ./out)
 #   BUILD_DIR            build folder (default build-gpu)
 #   JOBS                 build parallelism (default 16: the H200 machine's cores)
-#   TEST_TIMEOUT         seconds for the whole test suite (default 240)
+#   TEST_TIMEOUT         seconds for the whole test suite (default 360)
 #   TEST_SHARDS, TEST_SHARD  run shard TEST_SHARD (0-based) of TEST_SHARDS (GoogleTest's sharding:
-#                        every test in exactly one shard). The suite outgrew one call with the
-#                        build (about 370 s of tests after a 150 s build): run
+#                        every test in exactly one shard). In one process the suite outgrew one
+#                        call with the build (about 370 s of tests after a 150 s build): run
 #                        `TEST_SHARDS=2 TEST_SHARD=0 scripts/gpu-check.sh build test`, then
 #                        `TEST_SHARDS=2 TEST_SHARD=1 scripts/gpu-check.sh test` on the warm machine
-#   TEST_JOBS            test processes sharing the GPU at once (default 1), each a gtest shard of
+#   TEST_JOBS            test processes sharing the GPU at once (default 2), each a gtest shard of
 #                        the call's shard, the host's cores split between them; the tests' CPU
-#                        references then run in parallel. Not yet tried on the H200: if a test
-#                        fails only with TEST_JOBS > 1, it depends on having the GPU to itself
+#                        references then run in parallel. On the H200 (2026-12-03) two ran the
+#                        whole suite in 237 s (2831 passed), one process in about 390 s, so the
+#                        build and the suite fit one call. A test that fails only with
+#                        TEST_JOBS > 1 depends on having the GPU to itself: a defect to fix
 #   SANITIZER_TIMEOUT    seconds per sanitizer tool (default 180: racecheck took more than 80 s
 #                        with the MoE cases; memcheck, synccheck and initcheck about 10 s)
 #   SANITIZER_TOOLS      the compute-sanitizer tools to run (default "memcheck racecheck synccheck
@@ -97,7 +99,7 @@ OUT="${OUT:-./out}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 BUILD_DIR="${BUILD_DIR:-build-gpu}"
 JOBS="${JOBS:-16}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-240}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-360}"
 SANITIZER_TIMEOUT="${SANITIZER_TIMEOUT:-180}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-240}"
 read -ra SANITIZER_TOOLS <<<"${SANITIZER_TOOLS:-memcheck racecheck synccheck initcheck}"
@@ -158,7 +160,7 @@ stage_build() {
 
 # ------------------------------------------------------------------------------------------------
 stage_test() {
-  local start rc=0 jobs="${TEST_JOBS:-1}" shards="${TEST_SHARDS:-1}" index="${TEST_SHARD:-0}" j
+  local start rc=0 jobs="${TEST_JOBS:-2}" shards="${TEST_SHARDS:-1}" index="${TEST_SHARD:-0}" j
   start=$(now)
   if [[ ! -x "$TESTS_BIN" ]]; then
     fail test "no $TESTS_BIN (build failed?)"
@@ -573,10 +575,15 @@ def gpu():
 
 lines.append("octet gpu-check  " + os.popen("date -u +%Y-%m-%dT%H:%M:%SZ").read().strip())
 lines.append("gpu: " + gpu())
-# A copied working tree may differ from its HEAD (the device tool copies files, not commits).
-dirty = os.popen("git status --porcelain --untracked-files=no 2>/dev/null").read().strip()
-lines.append("commit: " + (os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
-                          or "unknown") + (" + uncommitted changes" if dirty else ""))
+# The device tool copies the working tree's files, not its commits: there the checkout's HEAD is
+# stale, so scripts/carry.sh records the local commit in .carry/commit for the summary to quote.
+recorded = ".carry/commit"
+if os.path.exists(recorded):
+    lines.append("commit: " + open(recorded).read().strip() + " (recorded by scripts/carry.sh)")
+else:
+    dirty = os.popen("git status --porcelain --untracked-files=no 2>/dev/null").read().strip()
+    lines.append("commit: " + (os.popen("git rev-parse --short HEAD 2>/dev/null").read().strip()
+                              or "unknown") + (" + uncommitted changes" if dirty else ""))
 lines.append("stages: " + " ".join(stages) + "  (" + ", ".join(
     f"{s} {value[s + '_seconds']}s" for s in stages if s + "_seconds" in value) + ")")
 info = os.path.join(state, "build_info.txt")
