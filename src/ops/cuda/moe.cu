@@ -311,7 +311,7 @@ __global__ void scatter_row_probs_kernel(const float* d_row_prob, const int32_t*
 }
 
 // ----------------------------------------------------------------------------
-// CUDA kernels: scaled activation (one CTA per permuted row)
+// CUDA kernels: scaled activation (forward: one CTA per permuted row; backward: one warp per row)
 
 template <typename T, MoeActivation kAct, int kN>
 __global__ void scaled_activation_forward_kernel(const T* __restrict__ fc1,
