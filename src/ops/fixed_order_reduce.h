@@ -101,6 +101,57 @@ __device__ T fixed_order_reduce_block(int64_t n, Op op, Load load, T* shared) {
   return fixed_order_tree<kLanes>(value, op, shared);
 }
 
+/// Steps 1-3 for one warp instead of a CTA of kLanes threads: the same values, folds and tree
+/// pairs, so the same bits as fixed_order_reduce_block, with no shared memory and no barrier. The
+/// warp takes the n elements in strips of one kN-element pack per lane, strip q covering elements
+/// [q kStrip, q kStrip + kStrip). Element c belongs to lane value t = c mod kLanes and is its
+/// (c / kLanes)-th term, so a lane l holds kSlots of the kLanes values, slot g kN + k being
+/// t = g kStrip + kN l + k; strips come in increasing order, so each value folds its terms in
+/// order. reduce() runs the tree's stages lane[t] = op(lane[t], lane[t + s]), each as a register
+/// op (the partner in the same lane) or a shuffle (the partner s / kN lanes down).
+template <int kLanes, int kN, typename Op>
+struct WarpFold {
+  static constexpr int kStrip = kWarpSize * kN;
+  static constexpr int kGroups = kLanes / kStrip;
+  static constexpr int kSlots = kGroups * kN;
+  static_assert(kLanes % kStrip == 0, "a strip must divide the lanes of the fixed order");
+
+  float slot[kSlots];
+
+  __device__ WarpFold() {
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) slot[j] = Op::template identity<float>();
+  }
+
+  /// Folds this lane's terms of strip q (a pack inside the n elements).
+  __device__ void add(int64_t q, const float (&term)[kN]) {
+    const int g = static_cast<int>(q % kGroups);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+#pragma unroll
+      for (int gg = 0; gg < kGroups; ++gg)  // a constant slot index keeps slot in registers
+        if (gg == g) slot[gg * kN + k] = Op{}(slot[gg * kN + k], term[k]);
+    }
+  }
+
+  /// The sum, in lane 0. Every lane of the warp must call it.
+  __device__ float reduce() {
+#pragma unroll
+    for (int s = kLanes / 2; s >= 1; s /= 2) {
+      if (s >= kStrip || s < kN) {  // the partner is slot j + step of the same lane
+        const int step = s >= kStrip ? (s / kStrip) * kN : s;
+#pragma unroll
+        for (int j = 0; j + step < kSlots; ++j) slot[j] = Op{}(slot[j], slot[j + step]);
+      } else {  // the partner is the same slot s / kN lanes down
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j)
+          slot[j] = Op{}(slot[j], __shfl_down_sync(0xFFFFFFFFu, slot[j], s / kN));
+      }
+    }
+    return slot[0];
+  }
+};
+
 #endif  // __CUDACC__
 
 }  // namespace octet::ops

@@ -400,58 +400,6 @@ struct ScaledActivationTile {
   }
 };
 
-/// A row's fixed-order sum (fixed_order_reduce.h, kLanes lanes) folded by one warp instead of a
-/// CTA, with no shared memory and no barrier. The warp takes the row in strips of one kN-element
-/// pack per lane, strip q covering elements [q kStrip, q kStrip + kStrip). Element c belongs to
-/// lane value t = c mod kLanes and is its (c / kLanes)-th term, so lane l holds kSlots of the
-/// kLanes values, slot g kN + k being t = g kStrip + kN l + k; strips come in increasing order, so
-/// each value folds its terms in the reference order. reduce() then runs the reference tree's
-/// stages, value[t] += value[t + s] for s = kLanes / 2 ... 1, each stage as a register add (the
-/// partner in the same lane) or a shuffle (the partner s / kN lanes down): the same pairs, so the
-/// same bits as fixed_order_tree.
-template <int kN>
-struct WarpRowFold {
-  static constexpr int kStrip = kWarpSize * kN;
-  static constexpr int kGroups = kLanes / kStrip;
-  static constexpr int kSlots = kGroups * kN;
-  static_assert(kLanes % kStrip == 0, "a strip must divide the lanes of the fixed order");
-
-  float slot[kSlots];
-
-  __device__ WarpRowFold() {
-#pragma unroll
-    for (int j = 0; j < kSlots; ++j) slot[j] = SumOp::identity<float>();
-  }
-
-  /// Folds this lane's terms of strip q (a pack inside the row).
-  __device__ void add(int64_t q, const float (&term)[kN]) {
-    const int g = static_cast<int>(q % kGroups);
-#pragma unroll
-    for (int k = 0; k < kN; ++k) {
-#pragma unroll
-      for (int gg = 0; gg < kGroups; ++gg)  // a constant slot index keeps slot in registers
-        if (gg == g) slot[gg * kN + k] = SumOp{}(slot[gg * kN + k], term[k]);
-    }
-  }
-
-  /// The row's sum, in lane 0. Every lane of the warp must call it.
-  __device__ float reduce() {
-#pragma unroll
-    for (int s = kLanes / 2; s >= 1; s /= 2) {
-      if (s >= kStrip || s < kN) {  // the partner is slot j + s' of the same lane
-        const int step = s >= kStrip ? (s / kStrip) * kN : s;
-#pragma unroll
-        for (int j = 0; j + step < kSlots; ++j) slot[j] = SumOp{}(slot[j], slot[j + step]);
-      } else {  // the partner is the same slot s / kN lanes down
-#pragma unroll
-        for (int j = 0; j < kSlots; ++j)
-          slot[j] = SumOp{}(slot[j], __shfl_down_sync(kFullMask, slot[j], s / kN));
-      }
-    }
-    return slot[0];
-  }
-};
-
 /// Rows of one backward CTA, one warp each: a dbias tile, so the tile's column sums come from the
 /// dh already loaded, with no second pass over dh.
 constexpr int kBackwardRows = static_cast<int>(kMoeBiasTileRows);
@@ -460,7 +408,7 @@ constexpr int kBackwardThreads = kBackwardRows * kWarpSize;
 constexpr int kBackwardCtasPerSm = 2;
 
 /// CTA b owns rows [16 b, 16 b + 16), warp w row 16 b + w: dfc1 and d_row_prob of that row (its
-/// fixed-order reduction over the row's F columns, WarpRowFold) from one pass over the row in
+/// fixed-order reduction over the row's F columns, WarpFold) from one pass over the row in
 /// strips, and, when dbias_partial is set, the tile's dbias partial: sum over the tile's mapped
 /// rows, in row order, of dh * prob, each strip's terms crossing through shared memory.
 template <typename T, MoeActivation kAct, int kN>
@@ -472,7 +420,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
                                       const float* __restrict__ bias, int64_t rows, int64_t f,
                                       T* __restrict__ dfc1, float* __restrict__ d_row_prob,
                                       float* __restrict__ dbias_partial) {
-  using Fold = WarpRowFold<kN>;
+  using Fold = WarpFold<kLanes, kN, SumOp>;
   constexpr int kStrip = Fold::kStrip;
   constexpr bool kGated = moe::gated(kAct);
   __shared__ __align__(kVectorBytes) float strip_terms[kBackwardRows][kStrip];
