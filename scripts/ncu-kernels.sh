@@ -27,12 +27,14 @@ default_cases=(
   "mem/dequantize@dequantize_kernel@dequantize"
   "moe/scaled_activation_cast@quantize_tile_group_kernel@moe_activation_cast"
   "moe/scaled_activation_backward@scaled_activation_backward_kernel@moe_activation_backward"
-  "moe/scaled_activation_backward@dbias_tile_partials_kernel@moe_dbias_partials"
 )
 read -r -a cases <<<"${CASES:-${default_cases[*]}}"
 sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
   --section LaunchStats --section SchedulerStats --section WarpStateStats
   --section ComputeWorkloadAnalysis)
+
+# The value and unit of ncu's metric $1 in the report $report.
+pick() { grep -m1 -E "^\s*$1 " "$report" | awk '{print $NF, $(NF-1)}'; }
 
 for c in "${cases[@]}"; do
   IFS=@ read -r filter kernel label <<<"$c"
@@ -42,7 +44,6 @@ for c in "${cases[@]}"; do
     "$bench" --benchmark_filter="$filter" --benchmark_repetitions=1 >"$report" 2>&1
   rc=$?
   # One line: the kernel's duration, DRAM and SM throughput, achieved occupancy, issue use.
-  pick() { grep -m1 -E "^\s*$1 " "$report" | awk '{print $NF, $(NF-1)}'; }
   echo "ncu $label (rc $rc): duration $(pick Duration), dram $(pick 'DRAM Throughput')," \
     "memory $(pick 'Memory Throughput'), sm $(pick 'Compute \(SM\) Throughput')," \
     "occupancy $(pick 'Achieved Occupancy'), issue slots $(pick 'Issue Slots Busy')"
