@@ -13,10 +13,8 @@ int main(int argc, char** argv) {
   const auto world = octet::dist::from_environment();
   if (world->rank() != 0) {
     // One report: rank 0's. A failure on another rank still fails the run (mpirun's exit status)
-    // and says so below. The JSON writer was installed by InitGoogleTest from --gtest_output, so
-    // clearing the flag is not enough: without removing it, every rank writes the same file and
-    // the interleaved result miscounts (or does not parse).
-    GTEST_FLAG_SET(output, "");
+    // and says so below. InitGoogleTest already installed the JSON writer from --gtest_output:
+    // removed, so that the ranks do not all write, interleaved, the same file.
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
     delete listeners.Release(listeners.default_xml_generator());
