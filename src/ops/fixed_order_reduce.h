@@ -125,16 +125,13 @@ struct WarpFold {
 
   /// Folds this lane's terms of strip q (a pack inside the n elements).
   __device__ void add(int64_t q, const float (&term)[kN]) {
-#pragma unroll
-    for (int k = 0; k < kN; ++k) add(q, k, term[k]);
-  }
-
-  /// Folds term k of this lane's pack of strip q alone (k a compile-time constant once unrolled).
-  __device__ void add(int64_t q, int k, float term) {
     const int g = static_cast<int>(q % kGroups);
 #pragma unroll
-    for (int gg = 0; gg < kGroups; ++gg)  // a constant slot index keeps slot in registers
-      if (gg == g) slot[gg * kN + k] = Op{}(slot[gg * kN + k], term);
+    for (int k = 0; k < kN; ++k) {
+#pragma unroll
+      for (int gg = 0; gg < kGroups; ++gg)  // a constant slot index keeps slot in registers
+        if (gg == g) slot[gg * kN + k] = Op{}(slot[gg * kN + k], term[k]);
+    }
   }
 
   /// The sum, in lane 0. Every lane of the warp must call it.

@@ -41,17 +41,12 @@ static_assert(kLanes == kThreads, "the row kernels reduce with all their threads
 // 16-byte access) when every row allows it (visit_pack), else kN = 1, the element-wise fallback.
 // Both do the same float operations on every element.
 
-/// A loaded pack as floats.
-template <int kN, typename T>
-__device__ __forceinline__ void to_floats(const Pack<T, kN>& pack, float (&v)[kN]) {
-#pragma unroll
-  for (int k = 0; k < kN; ++k) v[k] = to_float(pack.v[k]);
-}
-
 /// The kN elements at p (aligned to the pack) as floats.
 template <int kN, typename T>
 __device__ __forceinline__ void load_floats(const T* p, float (&v)[kN]) {
-  to_floats<kN>(load_pack<kN>(p), v);
+  const Pack<T, kN> pack = load_pack<kN>(p);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) v[k] = to_float(pack.v[k]);
 }
 
 /// Stores from_float<T>(0) at p[0, kN).
@@ -412,64 +407,10 @@ constexpr int kBackwardThreads = kBackwardRows * kWarpSize;
 /// CTAs per SM that the backward's register budget must allow (64 registers a thread).
 constexpr int kBackwardCtasPerSm = 2;
 
-/// One lane's loads of one strip of the backward: its pack of dh and, for a row in an expert
-/// group, of fc1's gate and up (up only when gated). Loaded a strip ahead of their use.
-template <typename T, int kN, bool kGated>
-struct BackwardStrip {
-  Pack<T, kN> dh, gate, up;
-
-  __device__ void load(const T* dh_row, const T* fc1_row, int64_t f, int j, bool live) {
-    dh = load_pack<kN>(dh_row + j);
-    if (!live) return;
-    gate = load_pack<kN>(fc1_row + j);
-    if constexpr (kGated) up = load_pack<kN>(fc1_row + f + j);
-  }
-};
-
-/// One live pack of the backward: folds its dprob terms dh * (act(gate, up) + bias) into `fold`
-/// and stores d gate at dgate_out and d up at dup_out (gated only), where the activation's
-/// gradient takes dh * prob. The same float operations as ActivationIn::value and
-/// moe::activate_grad on each element, computed a pair of elements at a time from the loaded
-/// packs, so that few values are live while the next strip's loads are in flight.
-template <MoeActivation kAct, typename T, int kN, typename Fold>
-__device__ __forceinline__ void backward_pack(const BackwardStrip<T, kN, moe::gated(kAct)>& in,
-                                              float prob, const float* bias, int j, int q,
-                                              Fold& fold, T* dgate_out, T* dup_out) {
-  constexpr bool kGated = moe::gated(kAct);
-  constexpr int kPair = kN % 2 == 0 ? 2 : 1;  // bf16 pairs round in one conversion
-  Pack<T, kN> dgate, dup;
-#pragma unroll
-  for (int k = 0; k < kN; k += kPair) {
-    float b[kPair];
-    if (bias != nullptr) load_floats<kPair>(bias + j + k, b);
-    float dg[kPair], du[kPair];
-#pragma unroll
-    for (int i = 0; i < kPair; ++i) {
-      const float g = to_float(in.dh.v[k + i]), x = to_float(in.gate.v[k + i]);
-      const float up = kGated ? to_float(in.up.v[k + i]) : 0.0f;
-      float v = moe::activate<kAct>(x, up);
-      if (bias != nullptr) v = rn::add(v, b[i]);
-      fold.add(q, k + i, rn::mul(g, v));
-      dg[i] = du[i] = 0.0f;
-      moe::activate_grad<kAct>(rn::mul(g, prob), x, up, dg[i], du[i]);
-    }
-    const Pack<T, kPair> dg_pack = round_pack<T>(dg), du_pack = round_pack<T>(du);
-#pragma unroll
-    for (int i = 0; i < kPair; ++i) {
-      dgate.v[k + i] = dg_pack.v[i];
-      dup.v[k + i] = du_pack.v[i];
-    }
-  }
-  store_pack<kN>(dgate_out, dgate);
-  if constexpr (kGated) store_pack<kN>(dup_out, dup);
-}
-
 /// CTA b owns rows [16 b, 16 b + 16), warp w row 16 b + w: dfc1 and d_row_prob of that row (its
 /// fixed-order reduction over the row's F columns, WarpFold) from one pass over the row in
 /// strips, and, when dbias_partial is set, the tile's dbias partial: sum over the tile's mapped
-/// rows, in row order, of dh * prob, each strip's terms crossing through shared memory. Each lane
-/// issues the next strip's loads before it works on the current one, and the strips' terms
-/// alternate between two buffers, so one barrier a strip suffices.
+/// rows, in row order, of dh * prob, each strip's terms crossing through shared memory.
 template <typename T, MoeActivation kAct, int kN>
 __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
     scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
@@ -482,7 +423,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
   using Fold = WarpFold<kLanes, kN, SumOp>;
   constexpr int kStrip = Fold::kStrip;
   constexpr bool kGated = moe::gated(kAct);
-  __shared__ __align__(kVectorBytes) float strip_terms[2][kBackwardRows][kStrip];
+  __shared__ __align__(kVectorBytes) float strip_terms[kBackwardRows][kStrip];
   __shared__ bool mapped_rows[kBackwardRows];
   const int w = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
@@ -495,52 +436,58 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
   const bool live = mapped && e >= 0;
   const bool with_dbias = dbias_partial != nullptr;  // uniform across the CTA
   if (with_dbias && lane == 0) mapped_rows[w] = mapped;  // read after the first barrier
-  const T* dh_row = dh + r * f;
   const T* x = fc1 + r * in_cols;
   T* d = dfc1 + r * in_cols;
   const float* b = bias != nullptr && live ? bias + e * f : nullptr;
   const float p = mapped ? row_prob[r] : 0.0f;
-  // 32-bit column indices (a row's width fits) leave registers for the loads in flight.
-  const int width = static_cast<int>(f);
-  const int strips = static_cast<int>(ceil_div(f, kStrip));
-  const int j0 = lane * kN;
-  BackwardStrip<T, kN, kGated> next;
-  if (mapped && j0 < width) next.load(dh_row, x, f, j0, live);
   Fold fold;
-  for (int q = 0; q < strips; ++q) {  // the same strips in every warp
-    const BackwardStrip<T, kN, kGated> loaded = next;
-    const int j = q * kStrip + j0;
-    const bool in_row = inside && j < width;
-    if (mapped && j + kStrip < width) next.load(dh_row, x, f, j + kStrip, live);
-    float(&terms_out)[kStrip] = strip_terms[q & 1][w];
+  for (int64_t q = 0; q * kStrip < f; ++q) {  // the same strips in every warp
+    const int64_t j = q * kStrip + static_cast<int64_t>(lane) * kN;
+    const bool in_row = inside && j < f;
     if (in_row && mapped) {
+      float g[kN];
+      load_floats<kN>(dh + r * f + j, g);
       if (with_dbias) {  // this row's dbias terms of the strip
         Pack<float, kN> terms;
 #pragma unroll
-        for (int k = 0; k < kN; ++k) terms.v[k] = rn::mul(to_float(loaded.dh.v[k]), p);
-        store_pack<kN>(&terms_out[lane * kN], terms);
+        for (int k = 0; k < kN; ++k) terms.v[k] = rn::mul(g[k], p);
+        store_pack<kN>(&strip_terms[w][lane * kN], terms);
       }
-      if (live) backward_pack<kAct>(loaded, p, b, j, q, fold, d + j, d + f + j);
+      if (live) {
+        const ActivationIn<kAct, kN> a(x, f, j);
+        float v[kN];  // the dprob terms first: fewer values live at once
+        a.value(b, j, v);
+#pragma unroll
+        for (int k = 0; k < kN; ++k) v[k] = rn::mul(g[k], v[k]);
+        fold.add(q, v);
+        float dgate[kN], dup[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          dgate[k] = dup[k] = 0.0f;
+          moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+        }
+        store_pack<kN>(d + j, round_pack<T>(dgate));
+        if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
+      }
     }
     if (in_row && !live) {
       store_zeros<kN>(d + j);
       if constexpr (kGated) store_zeros<kN>(d + f + j);
     }
     if (!with_dbias) continue;
-    // The strip's column sums over the tile's mapped rows, in row order. The buffer read here is
-    // next written for strip q + 2, after strip q + 1's barrier, which every thread reaches only
-    // once it has finished these sums.
+    // The strip's column sums over the tile's mapped rows, in row order.
     __syncthreads();
     const int64_t tile = blockIdx.x;
     for (int c = static_cast<int>(threadIdx.x); c < kStrip; c += kBackwardThreads) {
-      const int col = q * kStrip + c;
-      if (col >= width || (tile + 1) * kBackwardRows > rows) continue;
+      const int64_t col = q * kStrip + c;
+      if (col >= f || (tile + 1) * kBackwardRows > rows) continue;
       float acc = 0.0f;
 #pragma unroll
       for (int row = 0; row < kBackwardRows; ++row)
-        if (mapped_rows[row]) acc = rn::add(acc, strip_terms[q & 1][row][c]);
+        if (mapped_rows[row]) acc = rn::add(acc, strip_terms[row][c]);
       dbias_partial[tile * f + col] = acc;
     }
+    __syncthreads();  // the next strip rewrites strip_terms
   }
   const float dot = fold.reduce();
   if (inside && lane == 0) d_row_prob[r] = live ? dot : 0.0f;
