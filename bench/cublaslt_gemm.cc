@@ -3,6 +3,7 @@
 #if OCTET_WITH_CUDA
 
 #include "bench_util.h"
+#include "core/int_math.h"
 
 namespace octet::bench {
 namespace {
@@ -13,9 +14,6 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 /// (cuBLAS's 128x4 scale tiles). Over-allocation is harmless; too little would be read past.
 constexpr int64_t kPadBlocks = 4;
 constexpr int64_t kMxPadRows = 128;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 cublasLtHandle_t handle() {
   static const cublasLtHandle_t handle = [] {

@@ -1,9 +1,8 @@
 #include "octet/fp8/quantized_tensor.h"
 
+#include "core/int_math.h"
+
 namespace octet::fp8 {
-namespace {
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-}  // namespace
 
 std::string_view scaling_mode_name(ScalingMode mode) {
   switch (mode) {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "core/int_math.h"
 #include "octet/core/error.h"
 #include "octet/ops/moe.h"
 
@@ -10,8 +11,6 @@ namespace octet::train {
 namespace {
 // The FP8 GEMM shape rule (cuBLASLt): every GEMM dimension a multiple of 16.
 constexpr int64_t kShapeMultiple = 16;
-
-int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 ModelConfig make(std::string name, Arch arch, int64_t layers, int64_t dim, int64_t heads,
                  int64_t ffn, int64_t vocab, int64_t max_seq) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/int_math.h"
 #include "octet/core/cuda_context.h"
 #include "octet/core/determinism.h"
 #include "octet/fp8/format.h"
@@ -32,8 +33,6 @@ using testing::to_floats;
 const Device kGpu = Device::cuda(0);
 
 using Dims = std::array<int64_t, 3>;  ///< m, n, k
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 /// Requests determinism for one scope (the API flag; OCTET_DETERMINISTIC may also be set).
 struct DeterministicScope {

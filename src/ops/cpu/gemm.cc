@@ -41,6 +41,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/int_math.h"
 #include "octet/fp8/format.h"
 #include "ops/gemm_backend.h"
 
@@ -60,8 +61,6 @@ constexpr int64_t kNc = 16 * kNr;
 // costs microseconds, about what 2^18 multiply-adds take in the micro-kernel.
 constexpr int64_t kParallelMinMacs = int64_t{1} << 18;
 static_assert(kMc % kMr == 0 && kNc % kNr == 0, "blocks must hold whole micro-tiles");
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ----------------------------------------------------------------------------
 // Materializing and packing operands

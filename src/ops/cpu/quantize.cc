@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/int_math.h"
 #include "octet/fp8/format.h"
 #include "octet/fp8/scaling_math.h"
 #include "ops/quantize_backend.h"
@@ -24,8 +25,6 @@ using fp8::ScalingMode;
 /// Side of the square tiles the transposed copy is written in: 64x64 inputs (16 KiB of f32) and
 /// outputs (4 KiB) stay in L1 while the strided side is walked.
 constexpr int64_t kTransposeTile = 64;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 float load(const float* x, int64_t i) { return x[i]; }
 float load(const uint16_t* x, int64_t i) { return fp8::decode_bf16(x[i]); }

@@ -1,5 +1,5 @@
 // Launch arithmetic shared by the CUDA backends: the warp and grid limits every family uses,
-// ceil_div and round_up (host and device), grids of the GEMM families' small elementwise kernels
+// ceil_div and round_up (from core/int_math.h), grids of the GEMM families' small elementwise kernels
 // (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what a launch
 // may pass in its parameters. CUDA sources only (.cu and .cuh).
 #pragma once
@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/int_math.h"
 #include "octet/core/error.h"
 #include "ops/sorted_search.h"
 
@@ -25,10 +26,6 @@ inline constexpr int kThreadsPerBlock = 256;
 /// multi-tensor kernels pass their lists by value up to this size, so a launch needs no
 /// descriptor table uploaded first.
 inline constexpr size_t kMaxKernelParamBytes = 32764;
-
-/// a / b rounded up (a >= 0, b > 0), on the host, in kernels and in constant expressions.
-__host__ __device__ constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-__host__ __device__ constexpr int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 /// Blocks for one thread per element over n elements; throws past the 1-D grid limit.
 inline unsigned int grid_for(int64_t n) {
