@@ -339,13 +339,21 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
   }
 }
 
-void train(const TrainOptions& options) {
-  // The rank's device picks the communicator: NCCL for GPU ranks, MPI for CPU ranks.
-  TrainOptions placed = options;
+/// This process's data-parallel group (one rank alone without a launcher), with the same options
+/// checked on every rank before anything reads them; `placed` becomes the options on this rank's
+/// device, whose kind picks the communicator (NCCL for GPU ranks, MPI for CPU ranks).
+DataParallel join_ranks(const TrainOptions& options, TrainOptions& placed) {
+  placed = options;
   placed.device = dist::device_for_this_rank(resolve_defaults(options).device).str();
   DataParallel dp(dist::from_environment(Device::parse(placed.device)));
-  dp.check_run(options);  // the same options everywhere, before anything reads them
+  dp.check_run(options);
   dp.set_grad_reduce_dtype(options.grad_reduce_dtype);
+  return dp;
+}
+
+void train(const TrainOptions& options) {
+  TrainOptions placed;
+  DataParallel dp = join_ranks(options, placed);
   RunSetup run = prepare_run(placed);
   auto& [o, device, precision, data, config, unfused, attention] = run;
   const RunSwitches switches(run);
@@ -506,16 +514,22 @@ void train(const TrainOptions& options) {
               human_count(tokens_per_step * static_cast<double>(o.steps)).c_str());
 }
 
+/// Under a launcher (mpirun, or torchrun's variables) every rank runs the steps as `octet train`
+/// does; rank 0 reports: tokens/s of all ranks together (a step's batch x seq x accum tokens are
+/// the whole group's) and its own device's memory.
 void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool profile) {
-  OCTET_CHECK(dist::launcher_world_size() == 1, "octet bench train measures one process, but ",
-              dist::launcher_world_size(), " were launched (mpirun): run it without mpirun");
-  RunSetup run = prepare_run(options);
+  TrainOptions placed;
+  DataParallel dp = join_ranks(options, placed);
+  RunSetup run = prepare_run(placed);
   auto& [o, device, precision, data, config, unfused, attention] = run;
   const RunSwitches switches(run);
-  reset_device_peak(device);
-  TrainState s = make_train_state(config, precision, device, o.seed, o.recompute);
+  TrainState s =
+      make_train_state(config, precision, device, o.seed, o.recompute, dp.amax_reducer());
+  if (o.zero == 1) s.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), s, o.weight_decay);
+  dp.gradient_hook(s.params, o.grad_bucket_mb);
   StepChecks checks(*s.model, s.params, o);
-  DataParallel single;  // the benchmark measures one process
+  // The peak from here on: what the steps hold, not the whole moments ZeRO has just released.
+  reset_device_peak(device);
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   std::vector<double> rates;
   double loss = 0;
@@ -529,17 +543,16 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
     // Syncs at the grad-norm read; the AdamW it then launches is waited for by the next step.
-    loss = train_step(s, *data, o, checks, single).loss;
+    loss = train_step(s, *data, o, checks, dp).loss;
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (i >= warmup_steps) rates.push_back(tokens_per_step / seconds);
   }
   std::sort(rates.begin(), rates.end());
   const double median = rates[rates.size() / 2];
-  if (profile) {
-    profiler::set_enabled(false);
-    print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
-  }
+  if (profile) profiler::set_enabled(false);
+  if (!dp.is_root()) return;
+  if (profile) print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
   const auto gib_of = [](auto bytes) { return static_cast<double>(bytes) / (1 << 30); };
   const auto gib = [&](const std::vector<Tensor>& tensors) {
     double bytes = 0;
@@ -565,13 +578,16 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           loss,
                           {.weights = gib(values),
                            .gradients = gib(grads),
-                           .optimizer = gib(s.adam_m) + gib(s.adam_v),
+                           .optimizer = s.zero ? gib_of(s.zero->moment_bytes())
+                                               : gib(s.adam_m) + gib(s.adam_v),
                            .weight_casts = gib_of(s.model->weight_cast_bytes()),
                            .workspace = gib_of(ops::gemm_workspace_bytes(device))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing),
                           nn::disabled_fusions(),
-                          ops::attention_choice_name(ops::attention_choice())};
+                          ops::attention_choice_name(ops::attention_choice()),
+                          dp.size(),
+                          o.zero};
   print_train_bench(result);
 }
 

@@ -214,5 +214,45 @@ TEST(DistCli, AnAccumTheWorldSizeDoesNotDivideFailsOnEveryRank) {
       << r.output;
 }
 
+/// The JSON line of a `bench train` run's output (the last one; {} when there is none).
+nlohmann::json bench_line(const std::string& output) {
+  const size_t line = output.rfind("{\"bench\"");
+  if (line == std::string::npos) return nlohmann::json::object();
+  return nlohmann::json::parse(output.substr(line, output.find('\n', line) - line));
+}
+
+TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  // Wide enough that the moments (about 0.8M parameters, 6 MB) show in the GiB figures.
+  const std::string bench =
+      "bench train --device cpu --model tiny --layers 1 --dim 256 --heads 4 --ffn 512 --batch 2 "
+      "--seq 16 --accum 2 --steps 2 --warmup-steps 1 --precision bf16";
+  const Result dp = run(on_two_ranks(bench), dir);
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  EXPECT_EQ(count(dp.output, "{\"bench\":\"train\""), 1u) << "rank 0 alone reports\n" << dp.output;
+  const nlohmann::json plain = bench_line(dp.output);
+  ASSERT_FALSE(plain.empty()) << dp.output;
+  EXPECT_EQ(plain["world_size"], 2);
+  EXPECT_EQ(plain["zero"], 0);
+  EXPECT_GT(plain["tokens_per_s"].get<double>(), 0.0);
+
+  const Result zero = run(on_two_ranks(bench + " --zero 1"), dir);
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  const nlohmann::json sharded = bench_line(zero.output);
+  ASSERT_FALSE(sharded.empty()) << zero.output;
+  EXPECT_EQ(sharded["zero"], 1);
+  // Rank 0 holds half of the moments (its shard: half the flat buffer, rounded up).
+  const double whole = plain["peak_by_kind_gib"]["optimizer"].get<double>();
+  ASSERT_GT(whole, 0.004) << "the moments must be large enough to compare";
+  EXPECT_NEAR(sharded["peak_by_kind_gib"]["optimizer"].get<double>(), whole / 2, 2e-4);
+  // The weights and gradients stay whole on every rank (zero.h).
+  EXPECT_EQ(sharded["peak_by_kind_gib"]["weights"], plain["peak_by_kind_gib"]["weights"]);
+
+  const Result alone = run(octet(bench), dir);
+  ASSERT_EQ(alone.exit_code, 0) << alone.output;
+  EXPECT_EQ(bench_line(alone.output)["world_size"], 1);
+}
+
 }  // namespace
 }  // namespace octet

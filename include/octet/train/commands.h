@@ -34,7 +34,8 @@ void print_profile(const std::vector<profiler::OpTime>& ops, int64_t steps, doub
 /// AdamW moments); weight_casts the FP8 or BF16 copies of the weights the GEMMs read
 /// (GPT::weight_cast_bytes); workspace the GEMM backend's own (ops::gemm_workspace_bytes). The
 /// rest of the peak, printed as "activations", is what the step holds at that moment: the
-/// blocks' records for backward, the logits, and temporaries.
+/// blocks' records for backward, the logits, and temporaries (under data parallelism also the
+/// gradient reduction's buffers, and under ZeRO-1 the gathered parameters).
 struct MemoryByKind {
   double weights = 0, gradients = 0, optimizer = 0, weight_casts = 0, workspace = 0;
 };
@@ -54,6 +55,10 @@ struct TrainBenchResult {
   std::string unfused = "none";
   /// The attention choice the run had (--attention, OCTET_ATTENTION): "flash", "cudnn" or "auto".
   std::string attention = "auto";
+  /// Data-parallel ranks that ran the steps (tokens_per_s counts all of theirs; the memory is
+  /// rank 0's device), and the ZeRO stage (memory.optimizer: this rank's share of the moments).
+  int world_size = 1;
+  int64_t zero = 0;
 };
 void print_train_bench(const TrainBenchResult& r);
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Data-parallel scaling: `octet bench train` in one process against `mpirun -np N` at the same
+# tokens per rank (batch x seq each; accum = 1 alone, N under mpirun), the latter with and without
+# ZeRO-1. One JSON line per run into $OUT/dp_bench.jsonl, and $OUT/dp_bench.md: tokens/s of the
+# group, its ratio to one process, rank 0's peak memory and its share of the AdamW moments.
+#   scripts/bench-dp.sh [BUILD_DIR]     (after scripts/gpu-check.sh build, on a machine with N GPUs)
+# RANKS (default: the GPUs nvidia-smi lists, at least 2), MODELS (default "gpt2-350m gpt2-1.5b"),
+# PRECISION (fp8-delayed), DEVICE (cuda; cpu for a smoke run), BATCH (8), SEQ (1024), STEPS (10),
+# MODEL_FLAGS (extra octet flags, e.g. a small --layers/--dim for a CPU smoke run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${1:-build-gpu}"
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+results="$OUT/dp_bench.jsonl"
+: >"$results"
+device="${DEVICE:-cuda}"
+if [[ -z "${RANKS:-}" ]]; then
+  RANKS=$(nvidia-smi --list-gpus 2>/dev/null | wc -l)
+  ((RANKS >= 2)) || RANKS=2
+fi
+mpi=(mpirun -np "$RANKS")
+[[ $(id -u) -eq 0 ]] && mpi+=(--allow-run-as-root)
+[[ "$device" == cpu ]] && mpi+=(--oversubscribe)
+read -r -a model_flags <<<"${MODEL_FLAGS:-}"
+run() {  # run LAUNCH... -- ACCUM OCTET_FLAGS...: one JSON line (or an error line) appended
+  local launch=() line
+  while [[ "$1" != -- ]]; do launch+=("$1"); shift; done
+  shift
+  local accum=$1; shift
+  line=$(OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" timeout 300 "${launch[@]}" "$BUILD_DIR/octet" \
+    bench train --device "$device" --model "$model" --precision "${PRECISION:-fp8-delayed}" \
+    --vocab 50304 --batch "${BATCH:-8}" --seq "${SEQ:-1024}" --accum "$accum" \
+    --steps "${STEPS:-10}" --warmup-steps 3 "${model_flags[@]}" "$@" \
+    2>"$OUT/dp_bench_stderr.log" | grep '^{')
+  if [[ -z "$line" ]]; then
+    line="{\"model\":\"$model\",\"error\":\"$(tail -n 1 "$OUT/dp_bench_stderr.log" | tr -d '"\\')\"}"
+  fi
+  echo "$line" | tee -a "$results"
+}
+for model in ${MODELS:-gpt2-350m gpt2-1.5b}; do
+  run -- 1
+  run "${mpi[@]}" -- "$RANKS"
+  run "${mpi[@]}" -- "$RANKS" --zero 1
+done
+python3 - "$results" >"$OUT/dp_bench.md" <<'PY'
+import json, sys
+runs = [json.loads(l) for l in open(sys.argv[1])]
+print("| model | ranks | zero | tokens/s | vs one process | peak GiB (rank 0) | moments GiB (rank 0) |")
+print("|---|---|---|---|---|---|---|")
+alone = {}
+for r in runs:
+    if "error" in r:
+        print(f"| {r['model']} | | | failed: {r['error'][:80]} | | | |")
+        continue
+    if r["world_size"] == 1:
+        alone[r["model"]] = r["tokens_per_s"]
+    base = alone.get(r["model"])
+    ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+    print(f"| {r['model']} | {r['world_size']} | {r['zero']} | {r['tokens_per_s']:,.0f} | {ratio} "
+          f"| {r['peak_gib']:.2f} | {r['peak_by_kind_gib']['optimizer']:.2f} |")
+PY
+cat "$OUT/dp_bench.md"
