@@ -8,7 +8,7 @@
 # PRECISION (fp8-delayed), DEVICE (cuda; cpu for a smoke run), BATCH (8), SEQ (1024), STEPS (10),
 # MODEL_FLAGS (extra octet flags, e.g. a small --layers/--dim for a CPU smoke run).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 BUILD_DIR="${1:-build-gpu}"
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# gpu-multi.sh: what a machine with several GPUs checks in one call (issue 14), after
+# `scripts/gpu-check.sh build` on it (carry .carry as for gpu-check):
+#   1. octet_tests' cases that need two GPUs (a device guard restoring the ambient device, GEMM
+#      operands on two GPUs refused, a Linear stack split over two GPUs = one GPU bitwise, modules
+#      and the GPT model on cuda:1 with the current device left at 0); they skip on one GPU;
+#   2. octet_dist_tests under `mpirun -np N`, one GPU a rank (NCCL collectives against the CPU
+#      reference, bucketed data-parallel training bitwise the single reduction);
+#   3. scripts/bench-dp.sh: one process against N, with and without ZeRO-1 (350M and 1.5B FP8).
+# Writes $OUT/multi.log and $OUT/multi-summary.txt (also printed); exits 1 when a part failed.
+#   scripts/gpu-multi.sh [BUILD_DIR]
+# MULTI_FILTER replaces part 1's gtest filter; DIST_TIMEOUT (300) and DP_TIMEOUT (420) bound
+# parts 2 and 3; BENCH_DP=0 leaves part 3 out. GPUS overrides the count nvidia-smi gives (with
+# DEVICE=cpu and bench-dp.sh's other variables: a smoke run on a machine without GPUs, where
+# part 1 skips and parts 2 and 3 run on CPU ranks).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+BUILD_DIR="${1:-build-gpu}"
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+log="$OUT/multi.log"
+summary="$OUT/multi-summary.txt"
+: >"$log"
+gpus=${GPUS:-$(nvidia-smi --list-gpus 2>/dev/null | wc -l)}
+{
+  echo "octet gpu-multi  $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "gpus: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs))"
+  echo "commit: $(cat .carry/commit 2>/dev/null || echo unknown)"
+} >"$summary"
+status=0
+if ((gpus < 2)); then
+  echo "result: not run: needs 2 or more GPUs, $gpus visible" >>"$summary"
+  cat "$summary"
+  exit 1
+fi
+tally() { grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \]' "$1" | tr '\n' ' '; }
+part() {  # part NAME SECONDS COMMAND...: runs it into its own log, appends its tally to the summary
+  local name=$1 limit=$2 rc part_log="$OUT/multi-$1.log"
+  shift 2
+  echo "=== $name: $*" >>"$log"
+  timeout "$limit" "$@" >"$part_log" 2>&1
+  rc=$?
+  cat "$part_log" >>"$log"
+  echo "$name: $(tally "$part_log")exit $rc" >>"$summary"
+  rm -f "$part_log"
+  ((rc == 0)) || status=1
+}
+mpi=(mpirun -np "$gpus")
+[[ "${DEVICE:-cuda}" == cpu ]] && mpi+=(--oversubscribe)
+[[ $(id -u) -eq 0 ]] && mpi+=(--allow-run-as-root)
+part two-gpu-tests 300 "$BUILD_DIR/octet_tests" --gtest_brief=1 --gtest_color=no \
+  --gtest_filter="${MULTI_FILTER:-DeviceGuard.*:GemmCudaDevices.*:RecomputeSplit.*:*Placement*}"
+part dist-tests "${DIST_TIMEOUT:-300}" "${mpi[@]}" "$BUILD_DIR/octet_dist_tests" --gtest_brief=1 --gtest_color=no
+if [[ "${BENCH_DP:-1}" != 0 ]]; then
+  echo "=== bench-dp" >>"$log"
+  OUT="$OUT" RANKS="$gpus" timeout "${DP_TIMEOUT:-420}" scripts/bench-dp.sh "$BUILD_DIR" >>"$log" 2>&1 ||
+    status=1
+  if [[ -s "$OUT/dp_bench.md" ]]; then
+    echo "data parallelism (scripts/bench-dp.sh):" >>"$summary"
+    sed 's/^/  /' "$OUT/dp_bench.md" >>"$summary"
+  else
+    echo "data parallelism: no table (multi.log)" >>"$summary"
+  fi
+fi
+echo "result: $( ((status == 0)) && echo OK || echo FAILED)" >>"$summary"
+cat "$summary"
+exit "$status"
