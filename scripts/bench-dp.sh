@@ -7,11 +7,8 @@
 # RANKS (default: the GPUs nvidia-smi lists, at least 2), MODELS (default "gpt2-350m gpt2-1.5b"),
 # PRECISION (fp8-delayed), DEVICE (cuda; cpu for a smoke run), BATCH (8), SEQ (1024), STEPS (10),
 # MODEL_FLAGS (extra octet flags, e.g. a small --layers/--dim for a CPU smoke run).
-set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
-BUILD_DIR="${1:-build-gpu}"
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
+# shellcheck source=scripts/device-env.sh
+source "$(dirname "$0")/device-env.sh"
 results="$OUT/dp_bench.jsonl"
 : >"$results"
 device="${DEVICE:-cuda}"

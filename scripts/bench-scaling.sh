@@ -6,11 +6,8 @@
 #   scripts/bench-scaling.sh [BUILD_DIR]     (after scripts/gpu-check.sh build; ~6 min on an H200)
 # MODELS (default "gpt2-124m gpt2-350m gpt2-1.5b"), SEQS (default "1024 2048 4096 8192"),
 # PRECISIONS (default "fp8-delayed bf16"), STEPS (default 6) narrow or lengthen it.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-BUILD_DIR="${1:-build-gpu}"
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
+# shellcheck source=scripts/device-env.sh
+source "$(dirname "$0")/device-env.sh"
 results="$OUT/scaling.jsonl"
 : >"$results"
 tokens=8192

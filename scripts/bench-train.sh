@@ -8,11 +8,8 @@
 # precision optionally followed by octet flags joined with '+', e.g.
 # "fp8-delayed fp8-delayed+--unfuse+input-recast bf16"; SHAPES (default "8x1024") the batch x
 # sequence shapes each model runs at, e.g. MODELS=gpt2-124m SHAPES=32x1024.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-BUILD_DIR="${1:-build-gpu}"
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
+# shellcheck source=scripts/device-env.sh
+source "$(dirname "$0")/device-env.sh"
 results="$OUT/train_bench.jsonl"
 : >"$results"
 run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to the results

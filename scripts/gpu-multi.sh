@@ -13,11 +13,8 @@
 # parts 2 and 3; BENCH_DP=0 leaves part 3 out. GPUS overrides the count nvidia-smi gives (with
 # DEVICE=cpu and bench-dp.sh's other variables: a smoke run on a machine without GPUs, where
 # part 1 skips and parts 2 and 3 run on CPU ranks).
-set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
-BUILD_DIR="${1:-build-gpu}"
-OUT="${OUT:-./out}"
-mkdir -p "$OUT"
+# shellcheck source=scripts/device-env.sh
+source "$(dirname "$0")/device-env.sh"
 log="$OUT/multi.log"
 summary="$OUT/multi-summary.txt"
 : >"$log"
