@@ -11,6 +11,7 @@
 
 #include "octet/core/device.h"
 #include "test_util.h"
+#include "train/run_checks.h"
 #include "train/scratch_dir.h"
 
 namespace octet {
@@ -41,9 +42,7 @@ nlohmann::json bench_train(const std::string& args) {
   const CliResult r =
       testing::run_shell("'" OCTET_CLI_PATH "' bench train " + args + " 2>/dev/null");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  const size_t line = r.output.rfind("{\"bench\"");
-  return line == std::string::npos ? nlohmann::json::object()
-                                   : nlohmann::json::parse(r.output.substr(line));
+  return testing::bench_train_line(r.output);
 }
 
 TEST(Cli, BenchTrainBreaksThePeakDownByKind) {

@@ -214,13 +214,6 @@ TEST(DistCli, AnAccumTheWorldSizeDoesNotDivideFailsOnEveryRank) {
       << r.output;
 }
 
-/// The JSON line of a `bench train` run's output (the last one; {} when there is none).
-nlohmann::json bench_line(const std::string& output) {
-  const size_t line = output.rfind("{\"bench\"");
-  if (line == std::string::npos) return nlohmann::json::object();
-  return nlohmann::json::parse(output.substr(line, output.find('\n', line) - line));
-}
-
 TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();
@@ -231,7 +224,7 @@ TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
   const Result dp = run(on_two_ranks(bench), dir);
   ASSERT_EQ(dp.exit_code, 0) << dp.output;
   EXPECT_EQ(count(dp.output, "{\"bench\":\"train\""), 1u) << "rank 0 alone reports\n" << dp.output;
-  const nlohmann::json plain = bench_line(dp.output);
+  const nlohmann::json plain = testing::bench_train_line(dp.output);
   ASSERT_FALSE(plain.empty()) << dp.output;
   EXPECT_EQ(plain["world_size"], 2);
   EXPECT_EQ(plain["zero"], 0);
@@ -239,7 +232,7 @@ TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
 
   const Result zero = run(on_two_ranks(bench + " --zero 1"), dir);
   ASSERT_EQ(zero.exit_code, 0) << zero.output;
-  const nlohmann::json sharded = bench_line(zero.output);
+  const nlohmann::json sharded = testing::bench_train_line(zero.output);
   ASSERT_FALSE(sharded.empty()) << zero.output;
   EXPECT_EQ(sharded["zero"], 1);
   // Rank 0 holds half of the moments (its shard: half the flat buffer, rounded up).
@@ -251,7 +244,7 @@ TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
 
   const Result alone = run(octet(bench), dir);
   ASSERT_EQ(alone.exit_code, 0) << alone.output;
-  EXPECT_EQ(bench_line(alone.output)["world_size"], 1);
+  EXPECT_EQ(testing::bench_train_line(alone.output)["world_size"], 1);
 }
 
 }  // namespace

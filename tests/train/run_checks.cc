@@ -60,6 +60,12 @@ std::vector<nlohmann::json> step_lines(const std::filesystem::path& metrics) {
   return lines;
 }
 
+nlohmann::json bench_train_line(const std::string& output) {
+  const size_t line = output.rfind("{\"bench\"");
+  if (line == std::string::npos) return nlohmann::json::object();
+  return nlohmann::json::parse(output.substr(line, output.find('\n', line) - line));
+}
+
 void expect_same_tensors(const std::filesystem::path& expected,
                          const std::filesystem::path& actual) {
   train::SafetensorsFile a = train::load_safetensors(expected.string());

@@ -25,6 +25,9 @@ train::TrainOptions micro_run(const std::filesystem::path& out, const std::strin
 /// Every line of a metrics file that has a "loss" (one per step), parsed.
 std::vector<nlohmann::json> step_lines(const std::filesystem::path& metrics);
 
+/// The last JSON line of an `octet bench train` run's output, parsed ({} when there is none).
+nlohmann::json bench_train_line(const std::string& output);
+
 /// Asserts that two checkpoints hold the same tensor names with the same bytes (weights, AdamW
 /// moments, FP8 scales, scale_invs and amax histories).
 void expect_same_tensors(const std::filesystem::path& expected,
