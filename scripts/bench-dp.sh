@@ -21,19 +21,15 @@ mpi=(mpirun -np "$RANKS")
 [[ "$device" == cpu ]] && mpi+=(--oversubscribe)
 read -r -a model_flags <<<"${MODEL_FLAGS:-}"
 run() {  # run LAUNCH... -- ACCUM OCTET_FLAGS...: one JSON line (or an error line) appended
-  local launch=() line
+  local launch=()
   while [[ "$1" != -- ]]; do launch+=("$1"); shift; done
   shift
   local accum=$1; shift
-  line=$(OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" timeout 300 "${launch[@]}" "$BUILD_DIR/octet" \
-    bench train --device "$device" --model "$model" --precision "${PRECISION:-fp8-delayed}" \
-    --vocab 50304 --batch "${BATCH:-8}" --seq "${SEQ:-1024}" --accum "$accum" \
-    --steps "${STEPS:-10}" --warmup-steps 3 "${model_flags[@]}" "$@" \
-    2>"$OUT/dp_bench_stderr.log" | grep '^{')
-  if [[ -z "$line" ]]; then
-    line="{\"model\":\"$model\",\"error\":\"$(tail -n 1 "$OUT/dp_bench_stderr.log" | tr -d '"\\')\"}"
-  fi
-  echo "$line" | tee -a "$results"
+  json_line 300 "$OUT/dp_bench_stderr.log" "\"model\":\"$model\",\"error\":\"" \
+    env OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "${launch[@]}" "$BUILD_DIR/octet" bench train \
+    --device "$device" --model "$model" --precision "${PRECISION:-fp8-delayed}" --vocab 50304 \
+    --batch "${BATCH:-8}" --seq "${SEQ:-1024}" --accum "$accum" --steps "${STEPS:-10}" \
+    --warmup-steps 3 "${model_flags[@]}" "$@" | tee -a "$results"
 }
 for model in ${MODELS:-gpt2-350m gpt2-1.5b}; do
   run -- 1

@@ -14,14 +14,11 @@ tokens=8192
 for model in ${MODELS:-gpt2-124m gpt2-350m gpt2-1.5b}; do
   for seq in ${SEQS:-1024 2048 4096 8192}; do
     for precision in ${PRECISIONS:-fp8-delayed bf16}; do
-      line=$(timeout 300 "$BUILD_DIR/octet" bench train --model "$model" --precision "$precision" \
-        --vocab 50304 --batch $((tokens / seq)) --seq "$seq" --steps "${STEPS:-6}" \
-        --warmup-steps 2 2>"$OUT/scaling_stderr.log" | grep '^{')
-      if [[ -z "$line" ]]; then
-        line="{\"model\":\"$model\",\"seq\":$seq,\"precision\":\"$precision\",\"error\":\"$(
-          tail -n 1 "$OUT/scaling_stderr.log" | tr -d '"\\')\"}"
-      fi
-      echo "$line" | tee -a "$results"
+      json_line 300 "$OUT/scaling_stderr.log" \
+        "\"model\":\"$model\",\"seq\":$seq,\"precision\":\"$precision\",\"error\":\"" \
+        "$BUILD_DIR/octet" bench train --model "$model" --precision "$precision" --vocab 50304 \
+        --batch $((tokens / seq)) --seq "$seq" --steps "${STEPS:-6}" --warmup-steps 2 |
+        tee -a "$results"
     done
   done
 done

@@ -14,11 +14,7 @@ results="$OUT/train_bench.jsonl"
 : >"$results"
 run() {  # run SECONDS COMMAND...: one JSON line (or an error line) appended to the results
   local limit=$1; shift
-  local line
-  line=$(timeout "$limit" "$@" 2>"$OUT/bench_train_stderr.log" | grep '^{')
-  if [ -n "$line" ]; then echo "$line" | tee -a "$results"; else
-    echo "{\"error\":\"$*: $(tail -n 1 "$OUT/bench_train_stderr.log" | tr -d '"\\')\"}" | tee -a "$results"
-  fi
+  json_line "$limit" "$OUT/bench_train_stderr.log" "\"error\":\"$*: " "$@" | tee -a "$results"
 }
 for model in ${MODELS:-gpt2-124m gpt2-1.5b}; do
   for shape in ${SHAPES:-8x1024}; do
