@@ -21,7 +21,8 @@ summary="$OUT/multi-summary.txt"
 gpus=${GPUS:-$(nvidia-smi --list-gpus 2>/dev/null | wc -l)}
 {
   echo "octet gpu-multi  $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "gpus: $gpus ($(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs))"
+  names=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs)
+  echo "gpus: $gpus ($names)"
   echo "commit: $(cat .carry/commit 2>/dev/null || echo unknown)"
 } >"$summary"
 status=0
@@ -30,7 +31,9 @@ if ((gpus < 2)); then
   cat "$summary"
   exit 1
 fi
-tally() { grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \]' "$1" | tr '\n' ' '; }
+tally() {  # gtest's closing counts in log $1, on one line
+  grep -E '^\[  PASSED  \]|^\[  FAILED  \] [0-9]+ test|^\[  SKIPPED \]' "$1" | tr '\n' ' '
+}
 part() {  # part NAME SECONDS COMMAND...: runs it into its own log, appends its tally to the summary
   local name=$1 limit=$2 rc part_log="$OUT/multi-$1.log"
   shift 2
@@ -47,7 +50,8 @@ mpi=(mpirun -np "$gpus")
 [[ $(id -u) -eq 0 ]] && mpi+=(--allow-run-as-root)
 part two-gpu-tests 300 "$BUILD_DIR/octet_tests" --gtest_brief=1 --gtest_color=no \
   --gtest_filter="${MULTI_FILTER:-DeviceGuard.*:GemmCudaDevices.*:RecomputeSplit.*:*Placement*}"
-part dist-tests "${DIST_TIMEOUT:-300}" "${mpi[@]}" "$BUILD_DIR/octet_dist_tests" --gtest_brief=1 --gtest_color=no
+part dist-tests "${DIST_TIMEOUT:-300}" "${mpi[@]}" "$BUILD_DIR/octet_dist_tests" --gtest_brief=1 \
+  --gtest_color=no
 if [[ "${BENCH_DP:-1}" != 0 ]]; then
   echo "=== bench-dp" >>"$log"
   OUT="$OUT" RANKS="$gpus" timeout "${DP_TIMEOUT:-420}" scripts/bench-dp.sh "$BUILD_DIR" >>"$log" 2>&1 ||

@@ -1,7 +1,7 @@
 // Launch arithmetic shared by the CUDA backends: the warp and grid limits every family uses,
-// ceil_div and round_up (from core/int_math.h), grids of the GEMM families' small elementwise kernels
-// (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what a launch
-// may pass in its parameters. CUDA sources only (.cu and .cuh).
+// ceil_div and round_up (from core/int_math.h), grids of the GEMM families' small elementwise
+// kernels (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what
+// a launch may pass in its parameters. CUDA sources only (.cu and .cuh).
 #pragma once
 
 #include <cstddef>
