@@ -339,6 +339,15 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
   }
 }
 
+/// Bytes of AdamW moments this rank holds: its ZeRO-1 shard, or the whole m and v.
+int64_t moment_bytes(const TrainState& s) {
+  if (s.zero) return s.zero->moment_bytes();
+  int64_t bytes = 0;
+  for (const std::vector<Tensor>* moments : {&s.adam_m, &s.adam_v})
+    for (const Tensor& t : *moments) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
 /// This process's data-parallel group (one rank alone without a launcher), with the same options
 /// checked on every rank before anything reads them; `placed` becomes the options on this rank's
 /// device, whose kind picks the communicator (NCCL for GPU ranks, MPI for CPU ranks).
@@ -397,7 +406,7 @@ void train(const TrainOptions& options) {
     if (s.zero || o.grad_reduce_dtype != "fp32")
       std::printf("  zero %lld (AdamW moments per rank: %.1f MB), gradient reduction in %s\n",
                   (long long)o.zero,
-                  (s.zero ? s.zero->moment_bytes() : 8 * config.parameter_count()) / 1e6,
+                  static_cast<double>(moment_bytes(s)) / 1e6,
                   o.grad_reduce_dtype.c_str());
     if (nn::disabled_fusions() != "none")
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
@@ -578,8 +587,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           loss,
                           {.weights = gib(values),
                            .gradients = gib(grads),
-                           .optimizer = s.zero ? gib_of(s.zero->moment_bytes())
-                                               : gib(s.adam_m) + gib(s.adam_v),
+                           .optimizer = gib_of(moment_bytes(s)),
                            .weight_casts = gib_of(s.model->weight_cast_bytes()),
                            .workspace = gib_of(ops::gemm_workspace_bytes(device))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
