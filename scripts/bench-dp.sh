@@ -39,9 +39,10 @@ done
 python3 - "$results" >"$OUT/dp_bench.md" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
-print("| model | ranks | zero | tokens/s | vs one process | peak GiB (rank 0) "
-      "| moments GiB (rank 0) |")
-print("|---|---|---|---|---|---|---|")
+columns = ["model", "ranks", "zero", "tokens/s", "vs one process", "peak GiB (rank 0)",
+           "moments GiB (rank 0)"]
+print("| " + " | ".join(columns) + " |")
+print("|" + "---|" * len(columns))
 alone = {}
 for r in runs:
     if "error" in r:
