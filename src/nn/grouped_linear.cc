@@ -106,15 +106,17 @@ std::optional<std::vector<ops::FusedQuantize>> GroupedLinear::fused_input(
 Tensor GroupedLinear::forward(const Tensor& x, std::span<const int64_t> offsets, Saved& saved,
                               ForwardMode mode, int64_t fused_rows) {
   check_offsets(offsets);
-  const bool prefilled = saved.offsets.size() == offsets.size() && !saved.experts.empty() &&
-                         std::any_of(saved.experts.begin(), saved.experts.end(),
-                                     [](const Linear::Saved& e) { return e.input_prefilled; });
+  bool prefilled = saved.offsets.size() == offsets.size() && !saved.experts.empty() &&
+                   std::any_of(saved.experts.begin(), saved.experts.end(),
+                               [](const Linear::Saved& e) { return e.input_prefilled; });
   const int64_t grouped = offsets.back();
   const int64_t rows = x.defined() ? x.rows() : std::max(fused_rows, grouped);
   if (x.defined()) {
-    OCTET_CHECK(x.ndim() == 2 && x.rows() >= grouped && x.cols() == in_, "GroupedLinear(in=", in_,
-                ") expects x [rows >= ", grouped, ", ", in_,
-                "] (the offsets' last entry; rows past it are padding), got ", x.describe());
+    OCTET_CHECK(x.ndim() == 2 && x.rows() >= grouped && x.cols() == in_ &&
+                    is_high_precision(x.dtype()) && x.device() == device_,
+                "GroupedLinear(in=", in_, ") on ", device_, " expects x [rows >= ", grouped, ", ",
+                in_, "] f32 or bf16 there (the offsets' last entry; rows past it are padding), "
+                "got ", x.describe());
   } else {
     OCTET_CHECK(prefilled, "GroupedLinear::forward: x is undefined, which needs a fused input "
                 "(fused_input)");
@@ -122,6 +124,14 @@ Tensor GroupedLinear::forward(const Tensor& x, std::span<const int64_t> offsets,
   OCTET_CHECK(mode != ForwardMode::recompute || saved.experts.size() == experts_.size(),
               "GroupedLinear::forward(recompute) needs the snapshot of the original forward "
               "(Saved::snapshot_only), got a record of ", saved.experts.size(), " experts");
+  // Every expert's input cast in one grouped quantize, when all of them can take one (the same
+  // casts as their own forwards: a launch for the layer instead of one per expert).
+  if (x.defined() && !prefilled && grouped > 0) {
+    if (const auto targets = fused_input(offsets, x.dtype(), saved, mode)) {
+      ops::quantize_groups(x, offsets, *targets);
+      prefilled = true;
+    }
+  }
   const DType dtype = x.defined() ? x.dtype() : saved.input_dtype;
   if (saved.experts.size() != experts_.size()) saved.experts.assign(experts_.size(), {});
   saved.offsets.assign(offsets.begin(), offsets.end());
@@ -155,11 +165,26 @@ Tensor GroupedLinear::backward(const Tensor& dy, const Saved& saved) {
   const int64_t rows = dy.rows();
   Tensor dx = Tensor::empty({rows, in_}, saved.input_dtype, device_);
   if (rows > grouped) dx.slice(grouped, rows).zero();
+  // The grad_output casts of the experts that can take a fused one go in one grouped quantize;
+  // the rest (a first delayed pass, BF16, other recipes) cast in their own backward.
+  std::vector<fp8::QuantizedTensor> dy_q(experts_.size());
+  std::vector<ops::FusedQuantize> casts(experts_.size());
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    if (!has_rows(offsets, g)) continue;
+    if (auto cast = experts_[g].fused_grad_output(offsets[g + 1] - offsets[g], saved.experts[g],
+                                                  dy_q[g]))
+      casts[g] = *cast;
+  }
+  ops::quantize_groups(dy, offsets, casts);
   DeferredGemms gemms(experts_);
   for (size_t g = 0; g < experts_.size(); ++g) {
     if (!has_rows(offsets, g)) continue;
-    experts_[g].backward_into(dy.slice(offsets[g], offsets[g + 1]),
-                              dx.slice(offsets[g], offsets[g + 1]), saved.experts[g]);
+    const Tensor dx_g = dx.slice(offsets[g], offsets[g + 1]);
+    if (casts[g].out != nullptr) {
+      experts_[g].backward_into(dy_q[g], dx_g, saved.experts[g]);
+    } else {
+      experts_[g].backward_into(dy.slice(offsets[g], offsets[g + 1]), dx_g, saved.experts[g]);
+    }
   }
   gemms.run();
   return dx;

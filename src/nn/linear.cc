@@ -76,6 +76,15 @@ fp8::QuantizedTensor quantize_for(const Tensor& x, const fp8::Recipe& recipe, Te
   return q;
 }
 
+/// backward_into's dx: the input's shape and dtype, on the layer's device.
+void check_dx(const Tensor& dx, const Linear::Saved& saved, const Device& device) {
+  OCTET_CHECK(dx.defined() && dx.shape() == saved.input_shape && dx.dtype() == saved.input_dtype &&
+                  dx.device() == device,
+              "Linear::backward writes dx as ", dtype_name(saved.input_dtype),
+              shape_str(saved.input_shape), " on ", device, ", got ",
+              dx.defined() ? dx.describe() : std::string("an undefined tensor"));
+}
+
 /// x in `dtype` (x itself when it already is).
 Tensor in_dtype(const Tensor& x, DType dtype) {
   if (x.dtype() == dtype) return x;
@@ -479,11 +488,7 @@ void Linear::backward_into(const Tensor& dy, const Tensor& dx, const Saved& save
   expected.back() = out_;
   OCTET_CHECK(dy.shape() == expected, "Linear::backward expects grad_output of shape ",
               shape_str(expected), " (the output's), got ", dy.describe());
-  OCTET_CHECK(dx.defined() && dx.shape() == saved.input_shape && dx.dtype() == saved.input_dtype &&
-                  dx.device() == device_,
-              "Linear::backward writes dx as ", dtype_name(saved.input_dtype),
-              shape_str(saved.input_shape), " on ", device_, ", got ",
-              dx.defined() ? dx.describe() : std::string("an undefined tensor"));
+  check_dx(dx, saved, device_);
   const Tensor dy2 = dy.view({-1, out_});
   const Tensor dx2 = dx.view({-1, in_});
   if (saved.snapshot.fp8) {
@@ -549,13 +554,21 @@ std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const 
 Tensor Linear::backward(const fp8::QuantizedTensor& dy_q, const Saved& saved) {
   OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr && saved.snapshot.fp8,
               "Linear::backward(dy_q) needs the Saved of an FP8 forward");
+  Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
+  backward_into(dy_q, dx, saved);
+  return dx;
+}
+
+void Linear::backward_into(const fp8::QuantizedTensor& dy_q, const Tensor& dx,
+                           const Saved& saved) {
+  OCTET_CHECK(saved.filled() && saved.snapshot.weight != nullptr && saved.snapshot.fp8,
+              "Linear::backward(dy_q) needs the Saved of an FP8 forward");
   const int64_t rows = shape_numel(saved.input_shape) / in_;
   OCTET_CHECK(dy_q.rows == rows && dy_q.cols == out_ && dy_q.has_rowwise() && dy_q.has_columnwise(),
               "Linear::backward expects the fused grad_output [", rows, ", ", out_,
               "] with both copies (fused_grad_output), got [", dy_q.rows, ", ", dy_q.cols, "]");
-  Tensor dx = Tensor::empty(saved.input_shape, saved.input_dtype, device_);
+  check_dx(dx, saved, device_);
   backward_gemms_fp8(dy_q, dx.view({-1, in_}), saved);
-  return dx;
 }
 
 void Linear::backward_gemms_fp8(const fp8::QuantizedTensor& dy_q, const Tensor& dx,

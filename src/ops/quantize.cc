@@ -118,6 +118,38 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
       [&] { OCTET_CUDA_ONLY(cuda::quantize(x, out, args)); });
 }
 
+void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
+                     std::span<const FusedQuantize> targets) {
+  constexpr const char* op = "quantize_groups";
+  check_high_precision(x, op, "x");
+  OCTET_CHECK(x.ndim() >= 2 && x.cols() > 0, op, ": x must be a matrix with columns, got ",
+              x.describe());
+  OCTET_CHECK(!offsets.empty() && targets.size() + 1 == offsets.size(), op, ": expected ",
+              targets.size() + 1, " group offsets for ", targets.size(), " targets, got ",
+              offsets.size());
+  OCTET_CHECK(offsets.front() == 0, op, ": group offsets must start at 0, got ", offsets.front());
+  const int64_t rows = x.rows(), cols = x.cols();
+  OCTET_CHECK(offsets.back() <= rows, op, ": the group offsets end at row ", offsets.back(),
+              " but x has ", rows, " rows (", x.describe(), ")");
+  bool any = false;
+  for (size_t g = 0; g < targets.size(); ++g) {
+    const int64_t group_rows = offsets[g + 1] - offsets[g];
+    OCTET_CHECK(group_rows >= 0, op, ": group offsets must not decrease, got ", offsets[g + 1],
+                " after ", offsets[g], " (group ", g, ")");
+    if (group_rows == 0 || targets[g].out == nullptr) continue;
+    const std::string name = std::string(op) + " (group " + std::to_string(g) + ")";
+    check_quantize_target(name.c_str(), group_rows, cols, *targets[g].out, targets[g].args, x);
+    any = true;
+  }
+  if (!any) return;  // every group empty: nothing to write
+  const Device device = x.device();
+  const std::string label = op_label(op, dtype_name(x.dtype()), " ", targets.size(), " groups ",
+                                     offsets.back(), "x", cols);
+  dispatch(
+      device, label.c_str(), [&] { cpu::quantize_groups(x, offsets, targets); },
+      [&] { OCTET_CUDA_ONLY(cuda::quantize_groups(x, offsets, targets)); });
+}
+
 void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {
   check_quantized(q, "dequantize");
   OCTET_CHECK(transposed ? q.has_columnwise() : q.has_rowwise(), "dequantize: ",

@@ -47,6 +47,8 @@ Device check_quantize_target(const char* op, int64_t rows, int64_t cols,
 namespace octet::ops::cpu {
 void amax(const Tensor& x, const Tensor& amax_out);
 void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& args);
+void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
+                     std::span<const FusedQuantize> targets);
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed);
 void cast(const Tensor& x, const Tensor& out);
 void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts);
@@ -55,6 +57,8 @@ void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts)
 namespace octet::ops::cuda {
 void amax(const Tensor& x, const Tensor& amax_out);
 void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& args);
+void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
+                     std::span<const FusedQuantize> targets);
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed);
 void cast(const Tensor& x, const Tensor& out);
 void count_fp8_codes(const Tensor& x, const Tensor& codes, const Tensor& counts);

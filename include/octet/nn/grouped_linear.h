@@ -17,9 +17,12 @@ namespace octet::nn {
 /// E experts, each an nn::Linear [out, in] with its own FP32 master, gradients, optional bias and
 /// FP8 state (under delayed scaling each expert records one amax per tensor role into its own
 /// history, registered with the autocast's registry like any Linear). Every expert casts and
-/// quantizes exactly as a Linear does (Linear's code, not a copy); only the GEMMs are gathered and
-/// run as one grouped GEMM, so expert g's results are bitwise those of the Linear alone. Activation
-/// recompute is Linear's: the recomputed records are bitwise the original ones.
+/// quantizes exactly as a Linear does (Linear's code, not a copy), so expert g's results are
+/// bitwise those of the Linear alone; what is gathered is the launches: the GEMMs run as one
+/// grouped GEMM, and the FP8 casts that Linear lets a producer write (its input's and grad_output's
+/// under calibrated delayed scaling) run as one grouped quantize (ops::quantize_groups) instead of
+/// a launch per expert. Activation recompute is Linear's: the recomputed records are bitwise the
+/// original ones.
 class GroupedLinear {
  public:
   /// Group offsets: E + 1 host-side entries, expert g owns rows [offsets[g], offsets[g+1]) of the

@@ -172,6 +172,8 @@ class Linear {
   /// backward() with grad_output already quantized (and its bias gradient added) through
   /// fused_grad_output.
   Tensor backward(const fp8::QuantizedTensor& dy_q, const Saved& saved);
+  /// backward(dy_q, saved) writing dx into `dx` (the input's shape and dtype).
+  void backward_into(const fp8::QuantizedTensor& dy_q, const Tensor& dx, const Saved& saved);
 
   /// Sets grad_weight and grad_bias to zero; with ZeroGrad::on_next_write both are overwritten
   /// by the next backward instead (see ZeroGrad).

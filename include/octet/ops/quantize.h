@@ -2,6 +2,9 @@
 // dequantization. CPU semantics are the reference; CUDA matches them bit-exactly.
 #pragma once
 
+#include <cstdint>
+#include <span>
+
 #include "octet/core/tensor.h"
 #include "octet/fp8/quantized_tensor.h"
 
@@ -43,6 +46,17 @@ struct FusedQuantize {
 /// (see QuantizedTensor::allocate) decide the scaling mode and which copies are written. Writes
 /// data/data_t and scale_inv/scale_inv_t. Throws on shape, dtype or device mismatch.
 void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& args = {});
+
+/// Quantizes row groups of x (f32 or bf16, [rows, cols] as a matrix): for every g with rows, x's
+/// rows [offsets[g], offsets[g + 1]) into *targets[g].out with targets[g].args, exactly as
+/// ops::quantize on that slice would (scales, amax, column sums; bitwise). A group without rows,
+/// or whose target's out is null (a caller quantizing it another way), is skipped. offsets:
+/// host-side, groups + 1
+/// non-decreasing entries from 0, the last at most x's rows (rows past it are not read); targets:
+/// one per group. The CUDA backend quantizes up to 16 groups in one launch, so the experts of an
+/// MoE layer cost the host one launch instead of one each.
+void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
+                     std::span<const FusedQuantize> targets);
 
 /// out (f32 or bf16, [rows, cols], or [cols, rows] when `transposed`) = the dequantized row-wise
 /// copy of q, or of its transposed copy when `transposed`.

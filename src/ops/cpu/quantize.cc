@@ -260,6 +260,15 @@ void quantize(const Tensor& x, QuantizedTensor& out, const QuantizeArgs& args) {
   if (args.column_sums.defined()) sum_rows(x, args.column_sums, args.accumulate_column_sums);
 }
 
+void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
+                     std::span<const FusedQuantize> targets) {
+  const Tensor matrix = x.view({-1, x.cols()});
+  for (size_t g = 0; g < targets.size(); ++g) {
+    if (offsets[g + 1] == offsets[g] || targets[g].out == nullptr) continue;
+    cpu::quantize(matrix.slice(offsets[g], offsets[g + 1]), *targets[g].out, targets[g].args);
+  }
+}
+
 void dequantize(const QuantizedTensor& q, const Tensor& out, bool transposed) {
   const Tensor& data = transposed ? q.data_t : q.data;
   const Tensor& scale_inv = transposed ? q.scale_inv_t : q.scale_inv;

@@ -297,6 +297,32 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
     sum_rows(x, args.column_sums, args.accumulate_column_sums);
 }
 
+void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
+                     std::span<const FusedQuantize> targets) {
+  const Device device = x.device();
+  DeviceGuard guard(device);
+  const int64_t cols = x.cols();
+  math::visit_dtype(x.dtype(), [&](auto in_tag) {
+    using T = decltype(in_tag);
+    using Source = quant::LoadTile<T>;
+    std::vector<quant::TileMatrix<Source>> matrices;
+    for (size_t g = 0; g < targets.size(); ++g) {
+      const int64_t rows = offsets[g + 1] - offsets[g];
+      if (rows == 0 || targets[g].out == nullptr) continue;
+      const FusedQuantize& target = targets[g];
+      // Column sums ride on the transposed copy's pass; without one, quantize adds a sum_rows.
+      if (target.args.column_sums.defined() && !target.out->has_columnwise()) {
+        cuda::quantize(x.view({-1, cols}).slice(offsets[g], offsets[g + 1]), *target.out, target.args);
+        continue;
+      }
+      const T* xg = static_cast<const T*>(x.raw_data()) + offsets[g] * cols;
+      const Source source{xg, quant::vec_aligned(xg) && cols % quant::kVecElems<T> == 0};
+      matrices.push_back({rows, cols, target.out, &target.args, source});
+    }
+    quant::quantize_tile_group<T, Source>(matrices, device);
+  });
+}
+
 void dequantize(const fp8::QuantizedTensor& q, const Tensor& out, bool transposed) {
   using fp8::ScalingMode;
   const Device device = out.device();

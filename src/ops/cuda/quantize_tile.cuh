@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <span>
 #include <type_traits>
+#include <vector>
 
 #include "octet/core/cuda_context.h"
 #include "octet/core/device.h"
@@ -565,7 +566,7 @@ bool quantize_tiles(int64_t rows, int64_t cols, fp8::QuantizedTensor& out, const
 }
 
 /// One matrix of quantize_tile_group: [rows, cols] (both > 0) as `source` stages it, quantized into
-/// *out with *args (no column sums).
+/// *out with *args (column sums only with a transposed copy, whose pass computes them).
 template <typename Source>
 struct TileMatrix {
   int64_t rows, cols;
@@ -577,10 +578,12 @@ struct TileMatrix {
 /// quantize_tiles for many matrices of element type T: each run of consecutive matrices with one
 /// scaling mode and FP8 dtype goes in launches of up to kMaxTileGroup, so small matrices (an MoE's
 /// experts) share the device instead of taking a launch each. The results are those of
-/// quantize_tiles on each matrix: the same tile body with the same parameters.
+/// quantize_tiles on each matrix: the same tile body with the same parameters, and column sums
+/// finished by the same second pass.
 template <typename T, typename Source>
 void quantize_tile_group(std::span<const TileMatrix<Source>> matrices, const Device& device) {
   const cudaStream_t stream = octet::cuda::stream(device);
+  std::vector<Tensor> col_partials(matrices.size());  // stream-ordered workspaces
   for (size_t begin = 0; begin < matrices.size();) {
     const fp8::QuantizedTensor& first = *matrices[begin].out;
     TileGroup<Source> group{};
@@ -588,11 +591,18 @@ void quantize_tile_group(std::span<const TileMatrix<Source>> matrices, const Dev
     for (; end < matrices.size() && group.count < kMaxTileGroup; ++end) {
       const TileMatrix<Source>& m = matrices[end];
       if (m.out->mode != first.mode || m.out->dtype != first.dtype) break;
-      OCTET_CHECK(m.rows > 0 && m.cols > 0 && !m.args->column_sums.defined(),
+      const bool sums = m.args->column_sums.defined();
+      OCTET_CHECK(m.rows > 0 && m.cols > 0 && (!sums || m.out->has_columnwise()),
                   "quantize_tile_group: matrix ", end, " is [", m.rows, ", ", m.cols,
-                  "] with column sums ", m.args->column_sums.defined() ? "on" : "off",
-                  "; expected a non-empty matrix without column sums");
-      const TileParams p = tile_params(m.rows, m.cols, *m.out, *m.args);
+                  "] with column sums ", sums ? "on" : "off", " and ",
+                  m.out->has_columnwise() ? "a" : "no",
+                  " transposed copy; expected a non-empty matrix, and column sums only with the "
+                  "transposed copy");
+      TileParams p = tile_params(m.rows, m.cols, *m.out, *m.args);
+      if (sums) {
+        col_partials[end] = Tensor::empty({p.tile_rows, m.cols}, DType::f32, device);
+        p.col_partials = col_partials[end].data<float>();
+      }
       group.params[group.count] = p;
       group.sources[group.count] = m.source;
       group.first_tile[group.count + 1] = group.first_tile[group.count] + p.tile_rows * p.tile_cols;
@@ -605,6 +615,11 @@ void quantize_tile_group(std::span<const TileMatrix<Source>> matrices, const Dev
       });
     });
     begin = end;
+  }
+  for (size_t i = 0; i < matrices.size(); ++i) {
+    if (!col_partials[i].defined()) continue;
+    combine_row_partials(col_partials[i], matrices[i].args->column_sums,
+                         matrices[i].args->accumulate_column_sums);
   }
 }
 
