@@ -9,6 +9,7 @@
 
 #include "octet/fp8/quantized_tensor.h"
 #include "octet/ops/quantize.h"
+#include "ops/op_check.h"
 #include "test_util.h"
 
 namespace octet {
@@ -35,8 +36,7 @@ TEST(DequantizeCuda, EveryCodeUnderEveryScaleEqualsTheHost) {
   const float special_scales[] = {NAN, INFINITY, -INFINITY, 0.0f, 1e-40f};
   std::uniform_real_distribution<float> log2_scale(-20.0f, 20.0f);
   for (const auto [rows, cols] : {std::pair<int64_t, int64_t>{256, 512}, {130, 200}}) {
-    for (ScalingMode mode : {ScalingMode::per_tensor, ScalingMode::block_1x128,
-                             ScalingMode::block_128x128, ScalingMode::mxfp8_1x32}) {
+    for (ScalingMode mode : testing::kScalingModes) {
       for (DType fp8_dtype : {DType::e4m3, DType::e5m2}) {
         SCOPED_TRACE(::testing::Message() << rows << "x" << cols << " "
                                           << fp8::scaling_mode_name(mode) << " "

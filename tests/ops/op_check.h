@@ -59,6 +59,11 @@ inline Tensor make_tensor(const std::vector<float>& values, const Shape& shape, 
   return t;
 }
 
+/// Every FP8 scaling mode, for parity suites that cover them all.
+inline const std::vector<fp8::ScalingMode> kScalingModes = {
+    fp8::ScalingMode::per_tensor, fp8::ScalingMode::block_1x128, fp8::ScalingMode::block_128x128,
+    fp8::ScalingMode::mxfp8_1x32};
+
 /// `n` values uniform in [lo, hi] (never exactly 0) from `rng`.
 inline std::vector<float> uniform_values(int64_t n, float lo, float hi, std::mt19937_64& rng) {
   std::uniform_real_distribution<float> dist(lo, hi);

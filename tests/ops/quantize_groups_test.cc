@@ -53,8 +53,7 @@ std::vector<GroupCase> group_cases() {
   std::vector<GroupCase> cases;
   for (const Device& backend : testing::all_backends())
     for (DType input : {DType::f32, DType::bf16})
-      for (ScalingMode mode : {ScalingMode::per_tensor, ScalingMode::block_1x128,
-                               ScalingMode::block_128x128, ScalingMode::mxfp8_1x32})
+      for (ScalingMode mode : testing::kScalingModes)
         for (Usage usage : {Usage{true, true}, Usage{true, false}})
           for (bool sums : {false, true}) cases.push_back({backend, input, mode, usage, sums});
   return cases;

@@ -118,8 +118,6 @@ struct MatrixShape {
 /// Awkward shapes (TE's), an aligned one, and a large one that only the GPU runs.
 const std::vector<MatrixShape> kShapes = {{1, 3221}, {2333, 1}, {1481, 677}, {128, 256}};
 constexpr MatrixShape kLargeGpuShape = {16384, 8192};
-const std::vector<ScalingMode> kModes = {ScalingMode::per_tensor, ScalingMode::block_1x128,
-                                         ScalingMode::block_128x128, ScalingMode::mxfp8_1x32};
 
 // ----------------------------------------------------------------------------
 // quantize + dequantize parity
@@ -145,7 +143,7 @@ std::vector<QuantizeCase> quantize_cases() {
     if (backend.is_cuda() && !testing::small_tests_only()) shapes.push_back(kLargeGpuShape);
     for (DType input : {DType::f32, DType::bf16})
       for (DType fp8 : {DType::e4m3, DType::e5m2})
-        for (ScalingMode mode : kModes)
+        for (ScalingMode mode : testing::kScalingModes)
           for (Usage usage : usages)
             for (MatrixShape shape : shapes) {
               // The large shape is there for the tiled fast paths; its host reference costs
@@ -274,7 +272,7 @@ std::vector<SpecialCase> special_cases() {
   for (const Device& backend : testing::all_backends())
     for (DType input : {DType::f32, DType::bf16})
       for (DType fp8 : {DType::e4m3, DType::e5m2})
-        for (ScalingMode mode : kModes) cases.push_back({backend, input, fp8, mode});
+        for (ScalingMode mode : testing::kScalingModes) cases.push_back({backend, input, fp8, mode});
   return cases;
 }
 
