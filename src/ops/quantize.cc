@@ -3,6 +3,8 @@
 // guard + NVTX range). Backends (quantize_backend.h) may assume what is checked here.
 #include "octet/ops/quantize.h"
 
+#include <cstdio>
+
 #include "ops/dispatch.h"
 #include "ops/quantize_backend.h"
 
@@ -137,8 +139,10 @@ void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
     OCTET_CHECK(group_rows >= 0, op, ": group offsets must not decrease, got ", offsets[g + 1],
                 " after ", offsets[g], " (group ", g, ")");
     if (group_rows == 0 || targets[g].out == nullptr) continue;
-    const std::string name = std::string(op) + " (group " + std::to_string(g) + ")";
-    check_quantize_target(name.c_str(), group_rows, cols, *targets[g].out, targets[g].args, x);
+    // The group in the messages, without a heap string per group on this per-layer host path.
+    char name[48];
+    std::snprintf(name, sizeof(name), "%s (group %zu)", op, g);
+    check_quantize_target(name, group_rows, cols, *targets[g].out, targets[g].args, x);
     any = true;
   }
   if (!any) return;  // every group empty: nothing to write

@@ -51,10 +51,9 @@ void quantize(const Tensor& x, fp8::QuantizedTensor& out, const QuantizeArgs& ar
 /// rows [offsets[g], offsets[g + 1]) into *targets[g].out with targets[g].args, exactly as
 /// ops::quantize on that slice would (scales, amax, column sums; bitwise). A group without rows,
 /// or whose target's out is null (a caller quantizing it another way), is skipped. offsets:
-/// host-side, groups + 1
-/// non-decreasing entries from 0, the last at most x's rows (rows past it are not read); targets:
-/// one per group. The CUDA backend quantizes up to 16 groups in one launch, so the experts of an
-/// MoE layer cost the host one launch instead of one each.
+/// host-side, groups + 1 non-decreasing entries from 0, the last at most x's rows (rows past it
+/// are not read); targets: one per group. The CUDA backend quantizes up to 16 groups in one
+/// launch, so the experts of an MoE layer cost the host one launch instead of one each.
 void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
                      std::span<const FusedQuantize> targets);
 

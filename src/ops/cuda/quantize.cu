@@ -302,6 +302,7 @@ void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
   const Device device = x.device();
   DeviceGuard guard(device);
   const int64_t cols = x.cols();
+  const Tensor matrix = x.view({-1, cols});
   math::visit_dtype(x.dtype(), [&](auto in_tag) {
     using T = decltype(in_tag);
     using Source = quant::LoadTile<T>;
@@ -312,10 +313,10 @@ void quantize_groups(const Tensor& x, std::span<const int64_t> offsets,
       const FusedQuantize& target = targets[g];
       // Column sums ride on the transposed copy's pass; without one, quantize adds a sum_rows.
       if (target.args.column_sums.defined() && !target.out->has_columnwise()) {
-        cuda::quantize(x.view({-1, cols}).slice(offsets[g], offsets[g + 1]), *target.out, target.args);
+        cuda::quantize(matrix.slice(offsets[g], offsets[g + 1]), *target.out, target.args);
         continue;
       }
-      const T* xg = static_cast<const T*>(x.raw_data()) + offsets[g] * cols;
+      const T* xg = static_cast<const T*>(matrix.raw_data()) + offsets[g] * cols;
       const Source source{xg, quant::vec_aligned(xg) && cols % quant::kVecElems<T> == 0};
       matrices.push_back({rows, cols, target.out, &target.args, source});
     }
