@@ -109,14 +109,31 @@ void copy_bytes(void* dst, const Device& dst_device, const void* src, const Devi
     return;
   }
 #if OCTET_WITH_CUDA
-  if (dst_device.is_cuda() && src_device.is_cuda() && dst_device.index != src_device.index) {
-    // Order the copy after pending work on both devices, then wait for it.
-    cuda::synchronize(src_device);
-    DeviceGuard guard(dst_device);
-    OCTET_CHECK_CUDA(
-        cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, bytes,
-                            cuda::stream(dst_device)));
-    cuda::synchronize(dst_device);
+  if (dst_device.is_cuda() && src_device.is_cuda()) {
+    if (dst_device.index == src_device.index) {  // ordered on the device's one stream
+      DeviceGuard guard(dst_device);
+      OCTET_CHECK_CUDA(
+          cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::stream(dst_device)));
+      return;
+    }
+    // Between devices, ordered on both streams without a host wait: the destination's stream
+    // waits for the source's pending work and copies; the source's stream then waits for the
+    // copy, so the source's memory is neither rewritten nor reused (the pools are stream-ordered)
+    // before it has been read.
+    const cudaEvent_t written = cuda::record_event(src_device);
+    cudaEvent_t read = nullptr;
+    {
+      DeviceGuard guard(dst_device);
+      const cudaStream_t stream = cuda::stream(dst_device);
+      OCTET_CHECK_CUDA(cudaStreamWaitEvent(stream, written, 0));
+      OCTET_CHECK_CUDA(
+          cudaMemcpyPeerAsync(dst, dst_device.index, src, src_device.index, bytes, stream));
+      read = cuda::record_event(dst_device);
+    }
+    DeviceGuard guard(src_device);
+    OCTET_CHECK_CUDA(cudaStreamWaitEvent(cuda::stream(src_device), read, 0));
+    OCTET_CHECK_CUDA(cudaEventDestroy(written));  // released once complete
+    OCTET_CHECK_CUDA(cudaEventDestroy(read));
     return;
   }
   const Device& gpu = dst_device.is_cuda() ? dst_device : src_device;

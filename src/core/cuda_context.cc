@@ -63,4 +63,12 @@ void synchronize(const Device& device) {
   OCTET_CHECK_CUDA(cudaStreamSynchronize(stream(device)));
 }
 
+cudaEvent_t record_event(const Device& device) {
+  DeviceGuard guard(device);
+  cudaEvent_t event = nullptr;
+  OCTET_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  OCTET_CHECK_CUDA(cudaEventRecord(event, stream(device)));
+  return event;
+}
+
 }  // namespace octet::cuda

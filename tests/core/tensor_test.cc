@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <numeric>
+#include <utility>
 
 #include "test_util.h"
 
@@ -246,6 +247,31 @@ TEST_P(TensorOnDevice, SliceAndViewOnDevice) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, TensorOnDevice, ::testing::ValuesIn(testing::all_backends()),
                          [](const auto& info) { return info.param.is_cpu() ? "cpu" : "cuda0"; });
+
+// A copy between GPU buffers returns before it runs: it must still read the source as it was when
+// asked, and deliver before later work reads the destination. 64 MiB keeps the copy in flight
+// while the host queues the source's overwrite. Between two GPUs (when there are two) this is the
+// events' job; on one GPU, the stream's.
+TEST(TensorCuda, CopiesBetweenGpuBuffersAreOrderedOnTheStreams) {
+  const Device gpu0 = Device::cuda(0);
+  OCTET_SKIP_IF_UNAVAILABLE(gpu0);
+  const Device gpu1 = cuda_device_count() > 1 ? Device::cuda(1) : gpu0;
+  const uint64_t seed = testing::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed) + ", second GPU " + gpu1.str());
+  const Tensor host = testing::random_tensor({4096, 4096}, DType::f32, seed);
+  for (const auto& [from, to] :
+       {std::pair{gpu0, gpu1}, std::pair{gpu1, gpu0}, std::pair{gpu0, gpu0}}) {
+    SCOPED_TRACE(from.str() + " -> " + to.str());
+    Tensor src = host.to(from);
+    Tensor dst = src.to(to);
+    src.zero();  // queued behind the copy's read
+    Tensor again = Tensor::zeros(host.shape(), DType::f32, to);
+    again.copy_from(dst);  // reads dst after the copy wrote it
+    src = Tensor();        // its memory goes back to the pool, behind the copy
+    EXPECT_TRUE(testing::bitwise_equal(host, dst));
+    EXPECT_TRUE(testing::bitwise_equal(host, again));
+  }
+}
 
 TEST(Tensor, CommonDevice) {
   Tensor a = iota({2}), b = iota({3});

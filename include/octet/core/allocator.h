@@ -24,7 +24,9 @@ size_t device_peak_bytes(const Device& device);
 /// Starts a new peak measurement for `device` from what is held now.
 void reset_device_peak(const Device& device);
 
-/// Copies `bytes` between any two devices and waits for the copy to finish.
+/// Copies `bytes` between any two devices. A copy to or from the host waits for the copy to
+/// finish; one between GPU memory is ordered on octet's streams instead (after the work queued
+/// on both devices, before the work queued next on either) and returns at once.
 void copy_bytes(void* dst, const Device& dst_device, const void* src, const Device& src_device,
                 size_t bytes);
 /// Sets `bytes` to zero on `device` (stream-ordered on octet's stream for CUDA).

@@ -19,6 +19,8 @@ cudaStream_t stream(const Device& device);
 const cudaDeviceProp& properties(const Device& device);
 /// Waits for all of octet's work on `device`.
 void synchronize(const Device& device);
+/// A new event (no timing) recorded now on octet's stream for `device`; the caller destroys it.
+cudaEvent_t record_event(const Device& device);
 
 /// One bit per device, for per-device setup done once (a kernel's opt-in to more than 48 KiB of
 /// dynamic shared memory: cudaFuncSetAttribute applies to the current device). A launch site keeps
