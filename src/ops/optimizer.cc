@@ -163,17 +163,26 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
   OCTET_CHECK(count >= 1, op, ": expected at least one gradient tensor, got count ", count);
   OCTET_CHECK(grads != nullptr, op, ": grads is null but count is ", count);
   check_norm_sq(norm_sq, op);
-  for (int i = 0; i < count; ++i) {
-    const std::string what = "grads[" + std::to_string(i) + "]";
-    check_f32(grads[i], op, what);
-    OCTET_CHECK(grads[i].device() == norm_sq.device(), op,
-                ": all tensors must be on one device, got norm_sq ", norm_sq.describe(), " and ",
-                what, " ", grads[i].describe());
-  }
+  for (int i = 0; i < count; ++i) check_f32(grads[i], op, "grads[" + std::to_string(i) + "]");
 
+  // Each run of consecutive gradients on one device gets its tensor sums there; they meet in
+  // order on norm_sq's device, so the total is the one-device total bit for bit.
+  const Tensor sums = Tensor::empty({count}, DType::i64, norm_sq.device());
+  for (int begin = 0, end = 0; begin < count; begin = end) {
+    const Device& device = grads[begin].device();
+    while (end < count && grads[end].device() == device) ++end;
+    const Tensor here = device == norm_sq.device()
+                            ? sums.slice(begin, end)
+                            : Tensor::empty({end - begin}, DType::i64, device);
+    dispatch(
+        device, op, [&] { cpu::tensor_norm_sums(grads + begin, end - begin, here); },
+        [&] { OCTET_CUDA_ONLY(cuda::tensor_norm_sums(grads + begin, end - begin, here)); });
+    if (here.raw_data() != sums.slice(begin, end).raw_data())
+      sums.slice(begin, end).copy_from(here);
+  }
   dispatch(
-      norm_sq.device(), op, [&] { cpu::global_norm_squared(grads, count, norm_sq); },
-      [&] { OCTET_CUDA_ONLY(cuda::global_norm_squared(grads, count, norm_sq)); });
+      norm_sq.device(), op, [&] { cpu::sum_tensor_norms(sums, norm_sq); },
+      [&] { OCTET_CUDA_ONLY(cuda::sum_tensor_norms(sums, norm_sq)); });
 }
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

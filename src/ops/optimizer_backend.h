@@ -31,14 +31,22 @@ inline constexpr int64_t kAdamWChunk = int64_t{1} << 14;
 }  // namespace octet::ops
 
 namespace octet::ops::cpu {
-void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq);
+/// Steps 1 and 2 of the order above: sums[i] = tensor i's sum (i64 slots holding doubles, on the
+/// gradients' device).
+void tensor_norm_sums(const Tensor* grads, int count, const Tensor& sums);
+/// Step 3: norm_sq = float(the sums added in order), both on one device.
+void sum_tensor_norms(const Tensor& sums, const Tensor& norm_sq);
 /// The multi-tensor step (the dispatcher routes the one-tensor step here too, as a list of one).
 void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
                 const AdamWCoefficients& coefficients);
 }  // namespace octet::ops::cpu
 
 namespace octet::ops::cuda {
-void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq);
+/// Steps 1 and 2 of the order above: sums[i] = tensor i's sum (i64 slots holding doubles, on the
+/// gradients' device).
+void tensor_norm_sums(const Tensor* grads, int count, const Tensor& sums);
+/// Step 3: norm_sq = float(the sums added in order), both on one device.
+void sum_tensor_norms(const Tensor& sums, const Tensor& norm_sq);
 /// The multi-tensor step (the dispatcher routes the one-tensor step here too, as a list of one).
 void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
                 const AdamWCoefficients& coefficients);

@@ -6,8 +6,10 @@
 
 namespace octet::ops {
 
-/// norm_sq (f32[1], on the tensors' device) = sum over all tensors of sum(g^2), accumulated in a
-/// fixed order (per-tensor partials, then tensors in the given order). All on one device.
+/// norm_sq (f32[1]) = sum over all tensors of sum(g^2), accumulated in a fixed order (per-tensor
+/// partials, then tensors in the given order). The gradients may lie on several devices (a model
+/// split over GPUs): each tensor's sum is taken on its own device and the sums are added on
+/// norm_sq's, so the result does not depend on where the tensors are.
 void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq);
 
 struct AdamWArgs {

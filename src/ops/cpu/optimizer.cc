@@ -17,7 +17,7 @@ constexpr int64_t kParallelMinElements = int64_t{1} << 16;
 
 }  // namespace
 
-void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) {
+void tensor_norm_sums(const Tensor* grads, int count, const Tensor& sums) {
   // All chunks of all tensors in one parallel loop (one OpenMP region per call, not per tensor).
   std::vector<int64_t> first_chunk(count + 1, 0);
   for (int i = 0; i < count; ++i)
@@ -36,12 +36,18 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
           return value * value;
         });
   }
-  double total = 0.0;
+  auto* out = static_cast<double*>(sums.raw_data());
   for (int i = 0; i < count; ++i) {
     const double* own = partials.data() + first_chunk[i];
-    total += fixed_order_reduce<kNormLanes, double>(first_chunk[i + 1] - first_chunk[i], SumOp{},
+    out[i] = fixed_order_reduce<kNormLanes, double>(first_chunk[i + 1] - first_chunk[i], SumOp{},
                                                     [own](int64_t j) { return own[j]; });
   }
+}
+
+void sum_tensor_norms(const Tensor& sums, const Tensor& norm_sq) {
+  const auto* in = static_cast<const double*>(sums.raw_data());
+  double total = 0.0;
+  for (int64_t i = 0; i < sums.numel(); ++i) total += in[i];
   norm_sq.data<float>()[0] = static_cast<float>(total);
 }
 

@@ -312,18 +312,17 @@ void finish_cast(const AdamWTensor& t, cudaStream_t stream) {
   OCTET_CHECK_LAUNCH();
 }
 
-void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) {
-  const Device& device = norm_sq.device();
+void tensor_norm_sums(const Tensor* grads, int count, const Tensor& sums) {
+  const Device& device = sums.device();
   DeviceGuard guard(device);
   cudaStream_t stream = octet::cuda::stream(device);
 
   int64_t total_chunks = 0;
   for (int i = 0; i < count; ++i) total_chunks += ceil_div(grads[i].numel(), kNormChunk);
-  // Stream-ordered workspaces of 8-byte slots holding doubles (octet has no f64 dtype).
+  // A stream-ordered workspace of 8-byte slots holding doubles (octet has no f64 dtype).
   Tensor partials = Tensor::empty({total_chunks}, DType::i64, device);
-  Tensor tensor_sums = Tensor::empty({count}, DType::i64, device);
   auto* partials_data = static_cast<double*>(partials.raw_data());
-  auto* tensor_sums_data = static_cast<double*>(tensor_sums.raw_data());
+  auto* sums_data = static_cast<double*>(sums.raw_data());
 
   int64_t next_chunk = 0;
   for (int first = 0; first < count; first += kMaxTensorsPerLaunch) {
@@ -344,11 +343,18 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
         batch, partials_data);
     OCTET_CHECK_LAUNCH();
     norm_tensor_sums_kernel<<<batch.count, kNormLanes, 0, stream>>>(batch, partials_data,
-                                                                    tensor_sums_data);
+                                                                    sums_data);
     OCTET_CHECK_LAUNCH();
     next_chunk = batch.first_chunk[batch.count];
   }
-  norm_total_kernel<<<1, 1, 0, stream>>>(tensor_sums_data, count, norm_sq.data<float>());
+}
+
+void sum_tensor_norms(const Tensor& sums, const Tensor& norm_sq) {
+  const Device& device = norm_sq.device();
+  DeviceGuard guard(device);
+  norm_total_kernel<<<1, 1, 0, octet::cuda::stream(device)>>>(
+      static_cast<const double*>(sums.raw_data()), static_cast<int>(sums.numel()),
+      norm_sq.data<float>());
   OCTET_CHECK_LAUNCH();
 }
 
