@@ -24,6 +24,38 @@ Device Device::parse(std::string_view text) {
   OCTET_ERROR("unknown device '", text, "'; expected cpu, cuda or cuda:N");
 }
 
+std::vector<Device> Device::parse_list(std::string_view text) {
+  std::vector<Device> devices;
+  size_t begin = 0;
+  while (true) {
+    const size_t comma = text.find(',', begin);
+    const std::string_view item = text.substr(
+        begin, comma == std::string_view::npos ? std::string_view::npos : comma - begin);
+    const bool bare_index = !item.empty() && item.find_first_not_of("0123456789") == item.npos;
+    if (bare_index && !devices.empty() && devices.back().is_cuda()) {
+      devices.push_back(parse("cuda:" + std::string(item)));
+    } else {
+      OCTET_CHECK(!item.empty(), "empty entry in the device list '", text, "'");
+      try {
+        devices.push_back(parse(item));
+      } catch (const Error&) {
+        OCTET_ERROR("unknown device '", item, "' in the device list '", text,
+                    "'; expected cpu, cuda, cuda:N, or a list such as cuda:0,1");
+      }
+    }
+    OCTET_CHECK(devices.back().kind == devices.front().kind, "the device list '", text,
+                "' mixes the CPU and GPUs; a split model runs on GPUs only (or on the CPU only)");
+    if (comma == std::string_view::npos) return devices;
+    begin = comma + 1;
+  }
+}
+
+std::string device_list_str(const std::vector<Device>& devices) {
+  std::string text;
+  for (const Device& d : devices) text += (text.empty() ? "" : ",") + d.str();
+  return text;
+}
+
 std::string Device::str() const { return is_cpu() ? "cpu" : "cuda:" + std::to_string(index); }
 
 bool built_with_cuda() { return OCTET_WITH_CUDA != 0; }

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "octet/core/error.h"
 #include "test_util.h"
@@ -33,6 +36,35 @@ TEST(Device, ParseRejectsEverythingElse) {
     EXPECT_THAT(
         error_of([&] { Device::parse(text); }),
         HasSubstr("unknown device '" + std::string(text) + "'; expected cpu, cuda or cuda:N"));
+  }
+}
+
+TEST(Device, ParseListTakesOneKindWithBareIndicesAfterAGpu) {
+  using V = std::vector<Device>;
+  EXPECT_EQ(Device::parse_list("cuda:0,1"), (V{Device::cuda(0), Device::cuda(1)}));
+  EXPECT_EQ(Device::parse_list("cuda:2,cuda:0,3"),
+            (V{Device::cuda(2), Device::cuda(0), Device::cuda(3)}));
+  EXPECT_EQ(Device::parse_list("cuda,1"), (V{Device::cuda(0), Device::cuda(1)}));
+  EXPECT_EQ(Device::parse_list("cuda:0,0"), (V{Device::cuda(0), Device::cuda(0)}));
+  EXPECT_EQ(Device::parse_list("cpu,cpu"), (V{Device::cpu(), Device::cpu()}));
+  EXPECT_EQ(Device::parse_list("cuda:4"), (V{Device::cuda(4)}));
+  EXPECT_EQ(Device::parse_list("cpu"), (V{Device::cpu()}));
+  EXPECT_EQ(device_list_str({Device::cuda(0), Device::cuda(1)}), "cuda:0,cuda:1");
+}
+
+TEST(Device, ParseListNamesTheBadEntry) {
+  for (const auto& [text, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"", "empty entry in the device list ''"},
+           {"cuda:0,", "empty entry in the device list 'cuda:0,'"},
+           {"cuda:0,,1", "empty entry"},
+           {"cuda:0,1x", "unknown device '1x' in the device list 'cuda:0,1x'"},
+           {"cpu,1", "unknown device '1' in the device list 'cpu,1'"},
+           {"1,cuda:0", "unknown device '1'"},
+           {"cuda:0,gpu", "unknown device 'gpu'"},
+           {"cuda:0,cpu", "mixes the CPU and GPUs"},
+           {"cpu,cuda:1", "mixes the CPU and GPUs"}}) {
+    SCOPED_TRACE(text);
+    EXPECT_THAT(error_of([&] { Device::parse_list(text); }), HasSubstr(expected));
   }
 }
 

@@ -5,6 +5,7 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace octet {
 
@@ -17,6 +18,10 @@ struct Device {
   static constexpr Device cuda(int index) { return {Kind::cuda, index}; }
   /// Parses "cpu", "cuda" (= cuda:0) or "cuda:N"; throws octet::Error otherwise.
   static Device parse(std::string_view text);
+  /// Parses a comma-separated list of one kind: "cuda:0,1,3" (a bare index after a GPU names
+  /// another GPU), "cuda:0,cuda:2", "cpu,cpu", or one device. A device may repeat (a split on one
+  /// GPU). Throws octet::Error naming the bad entry otherwise.
+  static std::vector<Device> parse_list(std::string_view text);
 
   bool is_cpu() const { return kind == Kind::cpu; }
   bool is_cuda() const { return kind == Kind::cuda; }
@@ -33,6 +38,8 @@ bool built_with_cuda();
 int cuda_device_count();
 /// Throws octet::Error unless `device` is the CPU or a visible GPU.
 void check_device_available(const Device& device);
+/// "cuda:0,cuda:1"; "cpu".
+std::string device_list_str(const std::vector<Device>& devices);
 
 /// RAII: makes `device` the CUDA runtime's device for this scope and restores the previous one,
 /// also when the scope is left by an exception. A no-op for the CPU. Every CUDA entry point
