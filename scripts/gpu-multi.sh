@@ -3,14 +3,17 @@
 # `scripts/gpu-check.sh build` on it (carry .carry as for gpu-check):
 #   1. octet_tests' cases that need two GPUs (a device guard restoring the ambient device, GEMM
 #      operands on two GPUs refused, a Linear stack split over two GPUs = one GPU bitwise, modules
-#      and the GPT model on cuda:1 with the current device left at 0); they skip on one GPU;
+#      and the GPT model on cuda:1 with the current device left at 0, the GPT model and
+#      `octet train --device cuda:0,1` split over both = one GPU bitwise, the gradient norm over
+#      several devices); they skip on one GPU;
 #   2. octet_dist_tests under `mpirun -np N`, one GPU a rank (NCCL collectives against the CPU
 #      reference, bucketed data-parallel training bitwise the single reduction);
-#   3. scripts/bench-dp.sh: one process against N, with and without ZeRO-1 (350M and 1.5B FP8).
+#   3. scripts/bench-dp.sh: one process against N, with and without ZeRO-1 (350M and 1.5B FP8);
+#   4. the model split over cuda:0,1 against cuda:0 alone (`octet bench train`, 350M and 1.5B FP8).
 # Writes $OUT/multi.log and $OUT/multi-summary.txt (also printed); exits 1 when a part failed.
 #   scripts/gpu-multi.sh [BUILD_DIR]
 # MULTI_FILTER replaces part 1's gtest filter; DIST_TIMEOUT (300) and DP_TIMEOUT (420) bound
-# parts 2 and 3; BENCH_DP=0 leaves part 3 out. GPUS overrides the count nvidia-smi gives (with
+# parts 2 and 3; BENCH_DP=0 leaves part 3 out, BENCH_SPLIT=0 part 4. GPUS overrides the count nvidia-smi gives (with
 # DEVICE=cpu and bench-dp.sh's other variables: a smoke run on a machine without GPUs, where
 # part 1 skips and parts 2 and 3 run on CPU ranks).
 # shellcheck source=scripts/device-env.sh
@@ -49,7 +52,7 @@ mpi=(mpirun -np "$gpus")
 [[ "${DEVICE:-cuda}" == cpu ]] && mpi+=(--oversubscribe)
 [[ $(id -u) -eq 0 ]] && mpi+=(--allow-run-as-root)
 part two-gpu-tests 300 "$BUILD_DIR/octet_tests" --gtest_brief=1 --gtest_color=no \
-  --gtest_filter="${MULTI_FILTER:-DeviceGuard.*:GemmCudaDevices.*:RecomputeSplit.*:*Placement*}"
+  --gtest_filter="${MULTI_FILTER:-DeviceGuard.*:GemmCudaDevices.*:RecomputeSplit.*:*Placement*:GPTSplit.*:*TrainerSplit*:OptimizerDevices.*}"
 part dist-tests "${DIST_TIMEOUT:-300}" "${mpi[@]}" "$BUILD_DIR/octet_dist_tests" --gtest_brief=1 \
   --gtest_color=no
 if [[ "${BENCH_DP:-1}" != 0 ]]; then
@@ -62,6 +65,20 @@ if [[ "${BENCH_DP:-1}" != 0 ]]; then
   else
     echo "data parallelism: no table (multi.log)" >>"$summary"
   fi
+fi
+if [[ "${BENCH_SPLIT:-1}" != 0 && "${DEVICE:-cuda}" != cpu ]]; then
+  echo "model split over 2 GPUs (octet bench train, fp8-delayed, 8 x 1024, 10 steps after 3):" \
+    >>"$summary"
+  for model in ${SPLIT_MODELS:-gpt2-350m gpt2-1.5b}; do
+    for devices in cuda:0 cuda:0,1; do
+      echo "=== split bench $model $devices" >>"$log"
+      line=$(timeout 300 "$BUILD_DIR/octet" bench train --device "$devices" --model "$model" \
+        --precision fp8-delayed --batch 8 --seq 1024 --steps 10 --warmup-steps 3 2>>"$log" |
+        tee -a "$log" | grep -o '"tokens_per_s":[0-9.]*\|"peak_gib":[0-9.]*' | tr '\n' ' ')
+      [[ -n "$line" ]] || status=1
+      echo "  $model --device $devices: ${line:-failed (multi.log)}" >>"$summary"
+    done
+  done
 fi
 echo "result: $( ((status == 0)) && echo OK || echo FAILED)" >>"$summary"
 cat "$summary"

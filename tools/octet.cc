@@ -20,7 +20,8 @@ int report(const std::string& message) {
 
 void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--device", o.device,
-                  "cpu, cuda or cuda:N (default: cuda when a GPU is visible)");
+                  "cpu, cuda or cuda:N (default: cuda when a GPU is visible); a list such as "
+                  "cuda:0,1 splits the model's blocks over those GPUs in one process");
   cmd->add_option("--precision", o.precision,
                   "fp8-delayed, fp8-current, fp8-block, fp8-mxfp8, bf16 or fp32")
       ->capture_default_str();

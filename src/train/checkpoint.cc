@@ -135,13 +135,20 @@ std::vector<std::pair<std::string, Tensor>> fp8_state_tensors(const Fp8Module& m
 TrainState make_train_state(const ModelConfig& config, const Precision& precision,
                             const Device& device, uint64_t seed, bool recompute,
                             std::shared_ptr<nn::AmaxReducer> amax_reducer) {
+  return make_train_state(config, precision, std::vector<Device>{device}, seed, recompute,
+                          std::move(amax_reducer));
+}
+
+TrainState make_train_state(const ModelConfig& config, const Precision& precision,
+                            const std::vector<Device>& stages, uint64_t seed, bool recompute,
+                            std::shared_ptr<nn::AmaxReducer> amax_reducer) {
   TrainState s;
-  s.model = std::make_unique<GPT>(config, precision, device, seed, recompute,
-                                  std::move(amax_reducer));
+  s.model =
+      std::make_unique<GPT>(config, precision, stages, seed, recompute, std::move(amax_reducer));
   s.params = s.model->parameters();
-  for (const Parameter& p : s.params) {
-    s.adam_m.push_back(Tensor::zeros(p.value.shape(), DType::f32, device));
-    s.adam_v.push_back(Tensor::zeros(p.value.shape(), DType::f32, device));
+  for (const Parameter& p : s.params) {  // each parameter's moments beside it
+    s.adam_m.push_back(Tensor::zeros(p.value.shape(), DType::f32, p.value.device()));
+    s.adam_v.push_back(Tensor::zeros(p.value.shape(), DType::f32, p.value.device()));
   }
   return s;
 }
@@ -221,7 +228,7 @@ ModelConfig checkpoint_config(const SafetensorsFile& file) {
 }
 
 std::string rounding_context(const TrainOptions& o) {
-  if (!Device::parse(o.device).is_cuda()) return "cpu";
+  if (!Device::parse_list(o.device).front().is_cuda()) return "cpu";
   return std::string("cuda, attention ") + ops::attention_choice_name(ops::attention_choice());
 }
 

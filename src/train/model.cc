@@ -139,6 +139,16 @@ float mean_loss(const Tensor& losses, int64_t counted) {
   return static_cast<float>(total / static_cast<double>(counted));
 }
 
+/// The stages' devices after checking that there are 1 to `layers` of them.
+std::vector<Device> checked_stages(const std::vector<Device>& stages, int64_t layers) {
+  OCTET_CHECK(!stages.empty(), "GPT: no device to build the model on");
+  OCTET_CHECK(static_cast<int64_t>(stages.size()) <= layers, "GPT: a split over ", stages.size(),
+              " devices (", device_list_str(stages), ") needs at least as many layers, got ",
+              layers);
+  for (const Device& d : stages) check_device_available(d);
+  return stages;
+}
+
 /// The config, after validate() (which throws naming the offending fields).
 ModelConfig validated(const ModelConfig& config) {
   config.validate();
@@ -191,7 +201,10 @@ DType Precision::activation_dtype() const { return kind == Kind::fp32 ? DType::f
 struct GPT::Impl {
   ModelConfig config;
   Precision precision;
-  Device device;
+  std::vector<Device> stages;
+  Device device;                    ///< the first stage's: embeddings and ids
+  Device head_device;               ///< the last stage's: final norm, head, targets and loss
+  std::vector<size_t> block_stage;  ///< per block, its stage
   DType act;
   bool fp8;
   Tensor wte, grad_wte;
@@ -200,7 +213,9 @@ struct GPT::Impl {
   std::vector<nn::TransformerBlock> blocks;
   nn::Norm final_norm;
   nn::AmaxRegistry registry;
-  Tensor head_cast;  ///< the head weight in the activation dtype, cast once per optimizer step
+  /// The head weight in the activation dtype on the head's device, cast once per optimizer step
+  /// (for fp32, a copy of the master only when a tied head sits on another stage).
+  Tensor head_cast;
   /// next_casts()' target for the next step's head_cast, written by the optimizer.
   Tensor next_head_cast;
   bool collect_stats = false;
@@ -214,8 +229,8 @@ struct GPT::Impl {
     size_t final_norm = 0, lm_head = 0;
   } starts;
 
-  Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed, bool recompute,
-       std::shared_ptr<nn::AmaxReducer> reducer);
+  Impl(const ModelConfig& c, const Precision& p, const std::vector<Device>& s, uint64_t seed,
+       bool recompute, std::shared_ptr<nn::AmaxReducer> reducer);
 
   /// Every trainable tensor in parameters() order; fills `starts` when given.
   std::vector<Entry> entries(ParamStarts* starts = nullptr);
@@ -226,6 +241,13 @@ struct GPT::Impl {
   void initialize(uint64_t seed);
   const Tensor& head_weight() const { return config.tied_embeddings() ? wte : lm_head; }
   const Tensor& head_grad() const { return config.tied_embeddings() ? grad_wte : grad_lm_head; }
+  /// A tied head on another stage than the embedding it shares: it reads and adds to copies.
+  bool head_apart() const { return config.tied_embeddings() && stages.size() > 1; }
+  /// t handed from one stage to the next (or back, in backward): a copy on `to`'s device, also
+  /// when two stages share a GPU, so a split runs the same copies wherever its stages are.
+  Tensor cross(const Tensor& t, size_t from, size_t to) const {
+    return from == to ? t : t.to(stages[to]);
+  }
   /// The head weight in the activation dtype (the FP32 master itself for fp32).
   const Tensor& head_compute_weight();
 
@@ -248,15 +270,17 @@ struct GPT::Impl {
   void measure_gradients(bool on);
 };
 
-GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint64_t seed,
-                bool recompute, std::shared_ptr<nn::AmaxReducer> reducer)
+GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const std::vector<Device>& s,
+                uint64_t seed, bool recompute, std::shared_ptr<nn::AmaxReducer> reducer)
     : config(validated(c)),
       precision(validated(p)),
-      device(d),
+      stages(checked_stages(s, config.layers)),
+      device(stages.front()),
+      head_device(stages.back()),
       act(p.activation_dtype()),
       fp8(p.kind == Precision::Kind::fp8),
       final_norm(c.arch == Arch::gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm, c.dim,
-                 c.norm_eps, d),
+                 c.norm_eps, stages.back()),
       registry(std::move(reducer)) {
   const bool gpt2 = config.arch == Arch::gpt2;
   wte = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
@@ -265,8 +289,8 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
     wpe = Tensor::empty({config.max_seq, config.dim}, DType::f32, device);
     grad_wpe = Tensor::zeros({config.max_seq, config.dim}, DType::f32, device);
   } else {
-    lm_head = Tensor::empty({config.vocab, config.dim}, DType::f32, device);
-    grad_lm_head = Tensor::zeros({config.vocab, config.dim}, DType::f32, device);
+    lm_head = Tensor::empty({config.vocab, config.dim}, DType::f32, head_device);
+    grad_lm_head = Tensor::zeros({config.vocab, config.dim}, DType::f32, head_device);
   }
   nn::BlockConfig block{
       .norm = gpt2 ? nn::NormKind::layernorm : nn::NormKind::rmsnorm,
@@ -291,9 +315,13 @@ GPT::Impl::Impl(const ModelConfig& c, const Precision& p, const Device& d, uint6
   // Linear's compute dtype outside FP8 autocast is the activation dtype. The layers' own
   // (uniform) initialization is replaced by initialize() below.
   blocks.reserve(static_cast<size_t>(config.layers));
+  const auto count = static_cast<int64_t>(stages.size());
   for (int64_t l = 0; l < config.layers; ++l) {
     block.moe = config.is_moe_layer(l) ? moe : nn::MoeConfig{};
-    blocks.emplace_back(block, device, mix64(seed + kGolden * (l + 1)), act, recompute);
+    // Contiguous stages of (nearly) equal block counts: stage s ends at layer (s + 1) L / S.
+    block_stage.push_back(static_cast<size_t>((l * count + count - 1) / config.layers));
+    blocks.emplace_back(block, stages[block_stage.back()], mix64(seed + kGolden * (l + 1)), act,
+                        recompute);
   }
   initialize(seed);
   if (fp8) {  // every state exists and is registered before the first step (checkpoint restore)
@@ -373,10 +401,14 @@ void GPT::Impl::initialize(uint64_t seed) {
 }
 
 const Tensor& GPT::Impl::head_compute_weight() {
-  if (act == DType::f32) return head_weight();
+  if (act == DType::f32 && !head_apart()) return head_weight();
   if (!head_cast.defined()) {
-    head_cast = Tensor::empty(head_weight().shape(), act, device);
-    ops::cast(head_weight(), head_cast);
+    Tensor cast = head_weight();
+    if (act != DType::f32) {  // cast where the master is, then hand the cast over
+      cast = Tensor::empty(head_weight().shape(), act, head_weight().device());
+      ops::cast(head_weight(), cast);
+    }
+    head_cast = head_apart() ? cast.to(head_device) : cast;
   }
   return head_cast;
 }
@@ -403,6 +435,7 @@ Tensor GPT::Impl::trunk(const Tensor& ids, int64_t batch, int64_t seq, nn::Forwa
   if (collect_stats && fp8 && mode == nn::ForwardMode::normal) observers = stats_observers();
   saved.resize(blocks.size());
   for (size_t l = 0; l < blocks.size(); ++l) {
+    x = cross(x, l == 0 ? 0 : block_stage[l - 1], block_stage[l]);
     x = blocks[l].forward(x, batch, seq, saved[l], mode,
                           observers.empty() ? nullptr : &observers[l]);
     if (activation_hook && mode == nn::ForwardMode::normal)
@@ -412,7 +445,7 @@ Tensor GPT::Impl::trunk(const Tensor& ids, int64_t batch, int64_t seq, nn::Forwa
 }
 
 Tensor GPT::Impl::head_forward(const Tensor& x) {
-  Tensor logits = Tensor::empty({x.rows(), config.vocab}, act, device);
+  Tensor logits = Tensor::empty({x.rows(), config.vocab}, act, head_device);
   ops::gemm(ops::GemmOperand::dense(x), ops::GemmOperand::dense(head_compute_weight(), true),
             logits);
   return logits;
@@ -420,14 +453,16 @@ Tensor GPT::Impl::head_forward(const Tensor& x) {
 
 Tensor GPT::Impl::head_backward(const Tensor& dlogits, const Tensor& x) {
   const Tensor& w = head_compute_weight();
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), device);
+  Tensor dx = Tensor::empty(x.shape(), x.dtype(), head_device);
   // dx [rows, dim] = dlogits [rows, vocab] W [vocab, dim].
   ops::gemm(ops::GemmOperand::dense(dlogits), ops::GemmOperand::dense(w), dx);
-  // dW [vocab, dim] += dlogits^T x; for tied weights this adds to the embedding's gradient.
+  // dW [vocab, dim] += dlogits^T x; for tied weights this adds to the embedding's gradient, on
+  // the head's stage through a copy that goes back before the embedding adds its part.
   ops::GemmArgs accumulate;
   accumulate.beta = 1.0f;
-  ops::gemm(ops::GemmOperand::dense(dlogits, true), ops::GemmOperand::dense(x), head_grad(),
-            accumulate);
+  const Tensor grad = head_apart() ? head_grad().to(head_device) : head_grad();
+  ops::gemm(ops::GemmOperand::dense(dlogits, true), ops::GemmOperand::dense(x), grad, accumulate);
+  if (head_apart()) grad_wte.copy_from(grad);  // a tied head's gradient is the embedding's
   return dx;
 }
 
@@ -458,7 +493,12 @@ void GPT::Impl::measure_gradients(bool on) {
 
 GPT::GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
          bool recompute, std::shared_ptr<nn::AmaxReducer> amax_reducer)
-    : impl_(std::make_unique<Impl>(config, precision, device, seed, recompute,
+    : GPT(config, precision, std::vector<Device>{device}, seed, recompute,
+          std::move(amax_reducer)) {}
+
+GPT::GPT(const ModelConfig& config, const Precision& precision, const std::vector<Device>& stages,
+         uint64_t seed, bool recompute, std::shared_ptr<nn::AmaxReducer> amax_reducer)
+    : impl_(std::make_unique<Impl>(config, precision, stages, seed, recompute,
                                    std::move(amax_reducer))) {}
 
 GPT::~GPT() = default;
@@ -466,6 +506,7 @@ GPT::~GPT() = default;
 const ModelConfig& GPT::config() const { return impl_->config; }
 const Precision& GPT::precision() const { return impl_->precision; }
 const Device& GPT::device() const { return impl_->device; }
+const std::vector<Device>& GPT::devices() const { return impl_->stages; }
 
 float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t batch, int64_t seq,
                             float grad_scale) {
@@ -473,14 +514,14 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   m.check_batch(batch, seq);
   const int64_t rows = batch * seq;
   const Tensor ids_d = token_tensor(ids, rows, m.device, "ids");
-  const Tensor targets_d = token_tensor(targets, rows, m.device, "targets");
+  const Tensor targets_d = token_tensor(targets, rows, m.head_device, "targets");
   const int64_t counted = counted_targets(targets);
   const float scale = counted > 0 ? grad_scale / static_cast<float>(counted) : 0.0f;
 
   std::vector<nn::TransformerBlock::Saved> saved;
   nn::Norm::Saved norm_saved;
   Tensor xf, dlogits;
-  const Tensor losses = Tensor::empty({rows}, DType::f32, m.device);
+  const Tensor losses = Tensor::empty({rows}, DType::f32, m.head_device);
   m.with_autocast(m.registry, [&] {
     const Tensor x = m.trunk(ids_d, batch, seq, nn::ForwardMode::normal, saved);
     xf = m.final_norm.forward(x, norm_saved);
@@ -504,6 +545,7 @@ float GPT::train_microbatch(const Tensor& ids, const Tensor& targets, int64_t ba
   }
   for (size_t l = m.blocks.size(); l-- > 0;) {
     dx = m.blocks[l].backward(dx, saved[l], grad_scale);
+    dx = m.cross(dx, m.block_stage[l], l == 0 ? 0 : m.block_stage[l - 1]);
     if (m.ready_hook == nullptr) continue;
     m.blocks[l].settle_grads();  // an expert that got no token: its gradient is zero
     m.gradients_ready(m.starts.blocks[l]);
@@ -528,8 +570,8 @@ float GPT::evaluate(const Tensor& ids, const Tensor& targets, int64_t batch, int
   m.check_batch(batch, seq);
   const int64_t rows = batch * seq;
   const Tensor ids_d = token_tensor(ids, rows, m.device, "ids");
-  const Tensor targets_d = token_tensor(targets, rows, m.device, "targets");
-  const Tensor losses = Tensor::empty({rows}, DType::f32, m.device);
+  const Tensor targets_d = token_tensor(targets, rows, m.head_device, "targets");
+  const Tensor losses = Tensor::empty({rows}, DType::f32, m.head_device);
   // Inference forwards register and record nothing; the scope's finalize goes to a registry of
   // its own, so the model's FP8 state and update counts stay exactly as they were.
   nn::AmaxRegistry untouched;
@@ -555,7 +597,7 @@ Tensor GPT::logits_at(const Tensor& ids, int64_t batch, int64_t seq, int64_t pos
     std::vector<nn::TransformerBlock::Saved> saved;
     const Tensor x = m.trunk(ids_d, batch, seq, nn::ForwardMode::inference, saved);
     // Norm and head are per row: only the rows at `position` are needed.
-    Tensor rows = Tensor::empty({batch, m.config.dim}, m.act, m.device);
+    Tensor rows = Tensor::empty({batch, m.config.dim}, m.act, m.head_device);
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t r = b * seq + position;
       rows.slice(b, b + 1).copy_from(x.slice(r, r + 1));
@@ -563,7 +605,7 @@ Tensor GPT::logits_at(const Tensor& ids, int64_t batch, int64_t seq, int64_t pos
     nn::Norm::Saved norm_saved;
     logits = m.head_forward(m.final_norm.forward(rows, norm_saved));
   });
-  Tensor out = Tensor::empty(logits.shape(), DType::f32, m.device);
+  Tensor out = Tensor::empty(logits.shape(), DType::f32, m.head_device);
   ops::cast(logits, out);
   return out.to(Device::cpu());
 }
@@ -629,7 +671,7 @@ std::vector<ParamCast> GPT::next_casts() {
   m.head_cast = m.next_head_cast = Tensor();  // as Linear::prepare_next_cast: read no more
   for (size_t i = 0; i < entries.size(); ++i) {
     if (m.act != DType::f32 && entries[i].value.raw_data() == m.head_weight().raw_data()) {
-      m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.device);
+      m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.head_weight().device());
       casts[i].bf16_copy = m.next_head_cast;
     } else if (const nn::Linear* w = entries[i].weight_of) {
       casts[i].cast = w->prepared_next_cast().weight_fp8;
@@ -665,7 +707,9 @@ void GPT::set_gradient_ready_hook(GradientReadyHook* hook) {
 void GPT::on_weights_updated(nn::PreparedCast prepared) {
   Impl& m = *impl_;
   for (nn::TransformerBlock& b : m.blocks) b.on_weights_updated(prepared);
-  m.head_cast = prepared == nn::PreparedCast::written ? m.next_head_cast : Tensor();
+  m.head_cast = Tensor();
+  if (prepared == nn::PreparedCast::written && m.next_head_cast.defined())
+    m.head_cast = m.head_apart() ? m.next_head_cast.to(m.head_device) : m.next_head_cast;
   m.next_head_cast = Tensor();
 }
 

@@ -8,13 +8,14 @@
 #include <filesystem>
 #include <limits>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "octet/core/allocator.h"
 #include "octet/core/determinism.h"
 #include "octet/core/error.h"
 #include "octet/core/profiler.h"
+#include "octet/dist/bootstrap.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/fusion.h"
 #include "octet/ops/attention.h"
@@ -186,7 +187,15 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
     s.adamw[i].cast = casts[i].cast;
     s.adamw[i].bf16_copy = casts[i].bf16_copy;
   }
-  ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), checks.norm_sq(), args);
+  // One launch per run of parameters on one device (a split model's stages), each clipped by the
+  // same global norm.
+  for (size_t begin = 0, end = 0; begin < s.adamw.size(); begin = end) {
+    const Device& device = s.adamw[begin].param.device();
+    while (end < s.adamw.size() && s.adamw[end].param.device() == device) ++end;
+    const Tensor& norm_sq = checks.norm_sq();
+    ops::adamw_step(s.adamw.data() + begin, static_cast<int>(end - begin),
+                    norm_sq.device() == device ? norm_sq : norm_sq.to(device), args);
+  }
   s.model->on_weights_updated(nn::PreparedCast::written);
   // The table keeps no cast: the next step's next_casts() frees them before it allocates.
   for (ops::AdamWTensor& t : s.adamw) {
@@ -199,7 +208,7 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
 TrainOptions resolve_defaults(TrainOptions o) {
   const bool gpu_visible = cuda_device_count() > 0;
   if (o.device == "auto") o.device = gpu_visible ? "cuda" : "cpu";
-  const bool on_gpu = Device::parse(o.device).is_cuda();
+  const bool on_gpu = Device::parse_list(o.device).front().is_cuda();
   if (o.model.empty()) o.model = on_gpu ? "gpt2-124m" : "tiny";
   if (o.steps == 0) o.steps = on_gpu ? kGpuSteps : kCpuSteps;
   if (o.batch == 0) o.batch = on_gpu ? kGpuBatch : kCpuBatch;
@@ -251,7 +260,8 @@ namespace {
 /// device, the precision, the data and the checked model config.
 struct RunSetup {
   TrainOptions options;
-  Device device;
+  Device device;                ///< the first of `devices`
+  std::vector<Device> devices;  ///< --device: one, or the stages of a split model
   Precision precision;
   std::unique_ptr<TokenSource> data;
   ModelConfig config;
@@ -314,8 +324,13 @@ RunSetup prepare_run(const TrainOptions& requested) {
   run.options = resolve_defaults(requested);
   const TrainOptions& o = run.options;
   if (o.deterministic) set_deterministic(true);
-  run.device = Device::parse(o.device);
-  check_device_available(run.device);
+  run.devices = Device::parse_list(o.device);
+  for (const Device& d : run.devices) check_device_available(d);
+  run.device = run.devices.front();
+  OCTET_CHECK(run.devices.size() == 1 || o.zero == 0,
+              "--zero 1 shards the optimizer over "
+              "data-parallel ranks and is not built for a model split over devices (--device ",
+              o.device, ")");
   run.precision = resolve_precision(o);
   run.unfused = nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse);
   if (!o.attention.empty())
@@ -339,6 +354,17 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
   }
 }
 
+/// `bytes_on(device)` added up over the devices, each device once: a split model's whole
+/// footprint, which the by-kind figures (totals over the stages) add up to.
+template <typename BytesOn>
+size_t summed_over(const std::vector<Device>& devices, BytesOn bytes_on) {
+  size_t total = 0;
+  for (size_t i = 0; i < devices.size(); ++i)
+    if (std::find(devices.begin(), devices.begin() + i, devices[i]) == devices.begin() + i)
+      total += bytes_on(devices[i]);
+  return total;
+}
+
 /// Bytes of AdamW moments this rank holds: its ZeRO-1 shard, or the whole m and v.
 int64_t moment_bytes(const TrainState& s) {
   if (s.zero) return s.zero->moment_bytes();
@@ -353,8 +379,18 @@ int64_t moment_bytes(const TrainState& s) {
 /// device, whose kind picks the communicator (NCCL for GPU ranks, MPI for CPU ranks).
 DataParallel join_ranks(const TrainOptions& options, TrainOptions& placed) {
   placed = options;
-  placed.device = dist::device_for_this_rank(resolve_defaults(options).device).str();
-  DataParallel dp(dist::from_environment(Device::parse(placed.device)));
+  const std::string requested = resolve_defaults(options).device;
+  const std::vector<Device> stages = Device::parse_list(requested);
+  if (stages.size() > 1) {
+    const auto torchrun = dist::torchrun_environment();
+    OCTET_CHECK(dist::launcher_world_size() <= 1 && (!torchrun || torchrun->world_size <= 1),
+                "--device ", requested,
+                " splits the model over several devices in one process; "
+                "data parallelism over such splits is not built yet: under a launcher (mpirun, "
+                "torchrun's variables) give each rank one device (--device cuda)");
+  }
+  placed.device = stages.size() > 1 ? requested : dist::device_for_this_rank(requested).str();
+  DataParallel dp(dist::from_environment(stages.front()));
   dp.check_run(options);
   dp.set_grad_reduce_dtype(options.grad_reduce_dtype);
   return dp;
@@ -364,12 +400,12 @@ void train(const TrainOptions& options) {
   TrainOptions placed;
   DataParallel dp = join_ranks(options, placed);
   RunSetup run = prepare_run(placed);
-  auto& [o, device, precision, data, config, unfused, attention] = run;
+  auto& [o, device, devices, precision, data, config, unfused, attention] = run;
   const RunSwitches switches(run);
   const bool root = dp.is_root();  // rank 0 prints, writes metrics, plots and checkpoints
 
   TrainState s =
-      make_train_state(config, precision, device, o.seed, o.recompute, dp.amax_reducer());
+      make_train_state(config, precision, devices, o.seed, o.recompute, dp.amax_reducer());
 
   fs::create_directories(o.out);
   std::optional<int64_t> resume_step;
@@ -390,8 +426,13 @@ void train(const TrainOptions& options) {
 
   if (root) {
     std::printf("octet train: %s on %s, %s precision, data %s\n", config.describe().c_str(),
-                device.str().c_str(), describe_precision(precision).c_str(),
+                device_list_str(devices).c_str(), describe_precision(precision).c_str(),
                 data->describe().c_str());
+    if (devices.size() > 1)
+      std::printf(
+          "  split into %zu stages of contiguous blocks (embeddings with the first, the "
+          "head with the last)\n",
+          devices.size());
     if (dp.active()) {
       char buckets[96];
       if (o.grad_bucket_mb == 0)
@@ -530,15 +571,15 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   TrainOptions placed;
   DataParallel dp = join_ranks(options, placed);
   RunSetup run = prepare_run(placed);
-  auto& [o, device, precision, data, config, unfused, attention] = run;
+  auto& [o, device, devices, precision, data, config, unfused, attention] = run;
   const RunSwitches switches(run);
   TrainState s =
-      make_train_state(config, precision, device, o.seed, o.recompute, dp.amax_reducer());
+      make_train_state(config, precision, devices, o.seed, o.recompute, dp.amax_reducer());
   if (o.zero == 1) s.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), s, o.weight_decay);
   dp.gradient_hook(s.params, o.grad_bucket_mb);
   StepChecks checks(*s.model, s.params, o);
   // The peak from here on: what the steps hold, not the whole moments ZeRO has just released.
-  reset_device_peak(device);
+  for (const Device& d : devices) reset_device_peak(d);
   const double tokens_per_step = static_cast<double>(o.batch * o.seq * o.accum);
   std::vector<double> rates;
   double loss = 0;
@@ -575,7 +616,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   }
   TrainBenchResult result{config.preset,
                           precision.name(),
-                          device.str(),
+                          device_list_str(devices),
                           o.batch,
                           o.seq,
                           o.accum,
@@ -583,13 +624,13 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           config.parameter_count(),
                           o.recompute,
                           median,
-                          static_cast<double>(device_peak_bytes(device)) / (1 << 30),
+                          static_cast<double>(summed_over(devices, device_peak_bytes)) / (1 << 30),
                           loss,
                           {.weights = gib(values),
                            .gradients = gib(grads),
                            .optimizer = gib_of(moment_bytes(s)),
                            .weight_casts = gib_of(s.model->weight_cast_bytes()),
-                           .workspace = gib_of(ops::gemm_workspace_bytes(device))},
+                           .workspace = gib_of(summed_over(devices, ops::gemm_workspace_bytes))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing),
                           nn::disabled_fusions(),

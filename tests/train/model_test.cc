@@ -1,7 +1,8 @@
 // The GPT model: gradients against central differences (both architectures), the tied
 // embedding's two gradient contributions, training progress, bitwise recompute and determinism
 // for every precision with one FP8 update per pass, evaluation that leaves the FP8 state alone,
-// logits_at, FP8 input statistics, parameters, and bad input.
+// logits_at, FP8 input statistics, parameters, bad input, and the model split into stages over
+// devices (bitwise the unsplit model).
 #include "octet/train/model.h"
 
 #include <gmock/gmock.h>
@@ -66,7 +67,8 @@ void set_element(const Tensor& t, int64_t i, float v) {
   Tensor(t).copy_from(Tensor::from_vector(values, t.shape()).to(t.device()));
 }
 
-/// AdamW (the trainer's optimizer op) over every parameter of a model, moments on its device.
+/// AdamW (the trainer's optimizer op) over every parameter of a model, moments beside each
+/// parameter (a split model's on its stage's device).
 struct AdamW {
   std::vector<Parameter> params;
   std::vector<Tensor> m, v, grads;
@@ -74,8 +76,8 @@ struct AdamW {
 
   explicit AdamW(GPT& model) : params(model.parameters()) {
     for (const Parameter& p : params) {
-      m.push_back(Tensor::zeros(p.value.shape(), DType::f32, model.device()));
-      v.push_back(Tensor::zeros(p.value.shape(), DType::f32, model.device()));
+      m.push_back(Tensor::zeros(p.value.shape(), DType::f32, p.value.device()));
+      v.push_back(Tensor::zeros(p.value.shape(), DType::f32, p.value.device()));
       grads.push_back(p.grad);
     }
     norm_sq = Tensor::zeros({1}, DType::f32, model.device());
@@ -90,7 +92,9 @@ struct AdamW {
       args.lr = lr;
       args.step = step;
       args.weight_decay = params[i].weight_decay ? 0.1f : 0.0f;
-      ops::adamw_step(params[i].value, params[i].grad, m[i], v[i], norm_sq, args);
+      const Device& device = params[i].value.device();
+      ops::adamw_step(params[i].value, params[i].grad, m[i], v[i],
+                      device == norm_sq.device() ? norm_sq : norm_sq.to(device), args);
     }
     model.on_weights_updated();
   }
@@ -265,10 +269,11 @@ struct ModelRun {
   std::vector<int64_t> per_state;
 };
 
-/// kSteps optimizer steps of kMicrobatches accumulated microbatches each.
-ModelRun run_model(const Device& device, Arch arch, const std::string& precision, bool recompute,
-                   uint64_t seed) {
-  GPT model(micro(arch), Precision::from_name(precision), device, seed, recompute);
+/// kSteps optimizer steps of kMicrobatches accumulated microbatches each, of the model split
+/// over `stages` (one device: unsplit).
+ModelRun run_model(const std::vector<Device>& stages, const ModelConfig& config,
+                   const std::string& precision, bool recompute, uint64_t seed) {
+  GPT model(config, Precision::from_name(precision), stages, seed, recompute);
   AdamW optimizer(model);
   ModelRun run;
   for (int step = 1; step <= kSteps; ++step) {
@@ -295,6 +300,11 @@ ModelRun run_model(const Device& device, Arch arch, const std::string& precision
   run.forward_updates = model.registry().forward_update_count();
   run.backward_updates = model.registry().backward_update_count();
   return run;
+}
+
+ModelRun run_model(const Device& device, Arch arch, const std::string& precision, bool recompute,
+                   uint64_t seed) {
+  return run_model({device}, micro(arch), precision, recompute, seed);
 }
 
 void expect_bitwise_same(const ModelRun& a, const ModelRun& b, const char* what) {
@@ -357,6 +367,74 @@ TEST(GPTPlacement, ModelOnSecondGpuMatchesTheFirstBitwise) {
     const ModelRun on1 = run_model(Device::cuda(1), Arch::gpt2, precision, true, seed);
     expect_bitwise_same(on0, on1, "cuda:0 vs cuda:1 (with recompute)");
   }
+}
+
+// ----------------------------------------------------------------------------
+// A model split into stages over devices equals the unsplit model bitwise
+
+using SplitParam = std::tuple<Device, Arch, std::string>;
+class GPTSplitTest : public ::testing::TestWithParam<SplitParam> {};
+
+// Stages on one device run every copy a split over GPUs makes (activations and gradients between
+// stages, the tied head's weight and gradient), so the order of the work is checked on any
+// backend; GPTSplit.TwoGpus... checks the copies between GPUs.
+TEST_P(GPTSplitTest, StagesOnOneDeviceEqualTheUnsplitModelBitwise) {
+  const auto& [device, arch, precision] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const ModelConfig config = micro(arch, 3);
+  const ModelRun whole = run_model({device}, config, precision, false, seed);
+  for (float loss : whole.losses) ASSERT_TRUE(std::isfinite(loss));
+  expect_bitwise_same(whole, run_model({device, device}, config, precision, false, seed),
+                      "two stages (blocks 0 | 1, 2)");
+  expect_bitwise_same(whole, run_model({device, device, device}, config, precision, true, seed),
+                      "three stages, with recompute");
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, GPTSplitTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::Values(Arch::gpt2, Arch::llama),
+                                            ::testing::ValuesIn(precision_names())),
+                         [](const auto& info) {
+                           return device_name(std::get<0>(info.param)) + "_" +
+                                  std::string(arch_name(std::get<1>(info.param))) + "_" +
+                                  test_name(std::get<2>(info.param));
+                         });
+
+TEST(GPTSplit, TwoGpusEqualEitherGpuAloneBitwiseWithTheCurrentDeviceLeftAt0) {
+  if (cuda_device_count() < 2)
+    GTEST_SKIP() << "needs 2 GPUs, " << cuda_device_count() << " visible";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  // The current device stays the runtime's default, 0: octet switches it only inside an op.
+  const Device gpu0 = Device::cuda(0), gpu1 = Device::cuda(1);
+  for (const Arch arch : {Arch::gpt2, Arch::llama}) {
+    for (const std::string& precision : precision_names()) {
+      SCOPED_TRACE(std::string(arch_name(arch)) + " " + precision);
+      const ModelConfig config = micro(arch, 3);
+      const ModelRun on0 = run_model({gpu0}, config, precision, false, seed);
+      expect_bitwise_same(on0, run_model({gpu1}, config, precision, false, seed), "cuda:1 alone");
+      expect_bitwise_same(on0, run_model({gpu0, gpu1}, config, precision, false, seed),
+                          "split cuda:0,1");
+      expect_bitwise_same(on0, run_model({gpu1, gpu0}, config, precision, true, seed),
+                          "split cuda:1,0 with recompute");
+    }
+  }
+}
+
+TEST(GPTSplit, MoreStagesThanLayersAreRefused) {
+  const Device cpu = Device::cpu();
+  EXPECT_THAT(testing::error_of([&] {
+                GPT(micro(Arch::gpt2, 2), Precision::from_name("fp32"), {cpu, cpu, cpu}, 1, false);
+              }),
+              HasSubstr("a split over 3 devices (cpu,cpu,cpu) needs at least as many layers, "
+                        "got 2"));
+  EXPECT_THAT(testing::error_of([&] {
+                GPT(micro(Arch::gpt2, 2), Precision::from_name("fp32"), std::vector<Device>{}, 1,
+                    false);
+              }),
+              HasSubstr("no device to build the model on"));
 }
 
 // ----------------------------------------------------------------------------

@@ -115,6 +115,68 @@ TEST(Trainer, ALongerSeqThanThePresetsGrowsThePositionTable) {
   expect_train_error(o, "\"max_seq\":256");
 }
 
+// `--device a,b` splits the blocks over two devices. On the CPU, or twice on one GPU, the stages
+// still hand activations and gradients over as copies; the run equals the one-device run bitwise
+// and a checkpoint of either resumes on the other.
+class TrainerSplit : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainerSplit, SplitRunEqualsTheOneDeviceRunAndResumesEitherWay) {
+  const std::vector<Device> stages = Device::parse_list(GetParam());
+  for (const Device& d : stages) OCTET_SKIP_IF_UNAVAILABLE(d);
+  const auto dir = scratch_dir();
+  const auto options = [&](const std::string& name, const std::string& device) {
+    TrainOptions o = micro_options(dir / name, "fp8-delayed");
+    o.device = device;
+    o.layers = 2;  // a block on each stage
+    return o;
+  };
+  run_train(options("one", stages.front().str()));
+  run_train(options("split", GetParam()));
+  TrainOptions first = options("split-then-one", GetParam());
+  first.steps = 3;
+  run_train(first);
+  TrainOptions second = options("split-then-one", stages.front().str());
+  second.resume = (dir / "split-then-one" / "checkpoint.safetensors").string();
+  run_train(second);
+
+  const auto expected = loss_lines(dir / "one" / "metrics.jsonl");
+  ASSERT_EQ(expected.size(), 6u);
+  for (const char* run : {"split", "split-then-one"}) {
+    SCOPED_TRACE(run);
+    EXPECT_EQ(loss_lines(dir / run / "metrics.jsonl"), expected);
+    EXPECT_TRUE(octet::testing::same_checkpoint_tensors(dir / "one" / "checkpoint.safetensors",
+                                                        dir / run / "checkpoint.safetensors"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, TrainerSplit,
+                         ::testing::Values("cpu,cpu", "cuda:0,0", "cuda:0,1"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name)
+                             if (c == ':' || c == ',') c = '_';
+                           return name;
+                         });
+
+TEST(TrainerBadInput, ImpossibleSplits) {
+  const auto dir = scratch_dir();
+  TrainOptions o = micro_options(dir, "fp8-delayed");
+  o.device = "cpu,cpu";  // micro_options has one layer
+  expect_train_error(o, "a split over 2 devices (cpu,cpu) needs at least as many layers, got 1");
+  o.layers = 2;
+  o.zero = 1;
+  expect_train_error(o,
+                     "--zero 1 shards the optimizer over data-parallel ranks and is not built "
+                     "for a model split over devices (--device cpu,cpu)");
+  o = micro_options(dir, "fp8-delayed");
+  o.device = "cpu,cuda:0";
+  expect_train_error(o, "mixes the CPU and GPUs");
+  o.device = "cuda:0,99";  // the first device that is not there is named
+  expect_train_error(
+      o, cuda_device_count() > 0 ? "device cuda:99 requested" : "device cuda:0 requested");
+  EXPECT_FALSE(std::filesystem::exists(dir / "checkpoint.safetensors"));
+}
+
 TEST(TrainerBadInput, ImpossibleSizes) {
   const auto dir = scratch_dir();
   TrainOptions o = micro_options(dir, "fp8-delayed");

@@ -42,6 +42,11 @@ struct TrainState {
 TrainState make_train_state(const ModelConfig& config, const Precision& precision,
                             const Device& device, uint64_t seed, bool recompute,
                             std::shared_ptr<nn::AmaxReducer> amax_reducer = nullptr);
+/// The same for a model split over `stages` (GPT's split constructor); each parameter's moments
+/// lie on its stage's device.
+TrainState make_train_state(const ModelConfig& config, const Precision& precision,
+                            const std::vector<Device>& stages, uint64_t seed, bool recompute,
+                            std::shared_ptr<nn::AmaxReducer> amax_reducer = nullptr);
 
 /// The tensors a checkpoint of `s` holds, under their checkpoint names ("param.<name>",
 /// "adam_m.<name>", "adam_v.<name>", "fp8.<module>.<fwd|bwd>.<scale|scale_inv|amax_history>").

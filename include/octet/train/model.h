@@ -36,7 +36,7 @@ struct Precision {
   DType activation_dtype() const;
 };
 
-/// A trainable tensor: FP32 master value and FP32 gradient on the model's device.
+/// A trainable tensor: FP32 master value and FP32 gradient on its stage's device.
 struct Parameter {
   std::string name;  ///< e.g. "blocks.3.attn.qkv.weight" (checkpoint tensor name)
   Tensor value;
@@ -92,13 +92,25 @@ class GPT {
   /// (dist::make_amax_reducer); none: this process alone.
   GPT(const ModelConfig& config, const Precision& precision, const Device& device, uint64_t seed,
       bool recompute, std::shared_ptr<nn::AmaxReducer> amax_reducer = nullptr);
+  /// Builds the model split into contiguous stages of blocks over `stages` (several GPUs, one
+  /// process): stage s holds blocks [s L / S, (s + 1) L / S) of the L layers, the embeddings go
+  /// with the first stage, the final norm and the head with the last. Activations and gradients
+  /// cross between stages as stream-ordered copies, and a tied head reads the embedding through a
+  /// copy on the last stage and adds its gradient to the embedding's in the one-device order, so
+  /// every result is bitwise the one-device model's. A device may repeat (the stages' copies
+  /// then run on one GPU). Needs 1 <= S <= L.
+  GPT(const ModelConfig& config, const Precision& precision, const std::vector<Device>& stages,
+      uint64_t seed, bool recompute, std::shared_ptr<nn::AmaxReducer> amax_reducer = nullptr);
   ~GPT();
   GPT(const GPT&) = delete;
   GPT& operator=(const GPT&) = delete;
 
   const ModelConfig& config() const;
   const Precision& precision() const;
+  /// The first stage's device: the embeddings', where ids go in.
   const Device& device() const;
+  /// Every stage's device, first to last (one entry for an unsplit model).
+  const std::vector<Device>& devices() const;
 
   /// One training microbatch: forward, loss, backward. ids/targets: i32 [batch*seq] (any device;
   /// copied to the model's device). Gradients accumulate (+=) scaled by grad_scale (e.g.
