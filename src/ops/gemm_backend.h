@@ -23,4 +23,12 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
 namespace octet::ops::cuda {
 void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args,
           const GemmShape& shape);
+/// Whether a GEMM can run on any of the grouped GEMM's lanes (cuda/cublaslt.h, gemm_lane): one
+/// that takes no stream-ordered temporary, which the pool frees on octet's stream: no block or
+/// MXFP8 scales to convert, no FP32 operands with a BF16 D.
+bool runs_on_any_lane(const GemmOperand& a, const GemmOperand& b, const Tensor& d);
+/// gemm on lane `lane` of its device, for a GEMM that runs_on_any_lane: the same plan, so the
+/// same bits as on octet's stream.
+void gemm_on_lane(int lane, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                  const GemmArgs& args, const GemmShape& shape);
 }  // namespace octet::ops::cuda

@@ -343,6 +343,30 @@ TEST_P(GroupedGemmBackend, RefusesBadArguments) {
                {"128x128", "cannot be split"});
 }
 
+// The groups may run in any order or at once (the CUDA backend spreads them over streams), so
+// groups that depend on each other are refused rather than raced.
+TEST_P(GroupedGemmBackend, RefusesGroupsThatAreNotIndependent) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  const Case c{device, Mode::bf16, Split::balanced};
+  const Inputs in = make_inputs(c, seed, device);
+  std::vector<Tensor> dw = dw_start_values(seed, device);
+  dw[5] = dw[2];  // two groups accumulate into one tensor
+  expect_error([&] { grouped_gemm_wgrad(in.wgrad_a, in.wgrad_b, dw, in.offsets, {}); },
+               {"grouped_gemm: groups", "write overlapping memory"});
+  // Group 1 multiplies what group 0 writes.
+  const Tensor a0 = random_tensor({16, 32}, DType::bf16, seed).to(device);
+  const Tensor b0 = random_tensor({24, 32}, DType::bf16, seed + 1).to(device);
+  const Tensor b1 = random_tensor({8, 24}, DType::bf16, seed + 2).to(device);
+  const Tensor d0 = Tensor::empty({16, 24}, DType::bf16, device);
+  const Tensor d1 = Tensor::empty({16, 8}, DType::bf16, device);
+  const GemmProblem chained[] = {
+      {GemmOperand::dense(a0), GemmOperand::dense(b0, true), d0, {}},
+      {GemmOperand::dense(d0), GemmOperand::dense(b1, true), d1, {}}};
+  expect_error([&] { grouped_gemm(chained); }, {"group 0 writes memory that group 1 reads"});
+}
+
 INSTANTIATE_TEST_SUITE_P(AllBackends, GroupedGemmBackend,
                          ::testing::ValuesIn(octet::testing::all_backends()),
                          [](const auto& info) { return octet::testing::device_name(info.param); });

@@ -30,7 +30,9 @@ struct GroupedGemmArgs {
 };
 
 /// Runs independent GEMMs, each checked and computed exactly as ops::gemm would, on one device, in
-/// list order. A problem whose M is 0 (an empty group) is skipped. A problem whose K is 0 (a
+/// no particular order (the CUDA backend runs several at once): no group's D may overlap another
+/// group's D, operands, bias or addend, which is checked. A problem whose M is 0 (an empty group)
+/// is skipped. A problem whose K is 0 (a
 /// wgrad over an empty group) leaves D unchanged with beta = 1 and zeroes it with beta = 0; it
 /// takes no bias or addend. The result of every problem is bitwise that of ops::gemm on the same
 /// backend.

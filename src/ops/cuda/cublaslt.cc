@@ -2,6 +2,7 @@
 #include "ops/cuda/cublaslt.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -18,11 +19,28 @@ namespace octet::ops::cuda {
 
 namespace {
 
-/// Every device's cuBLASLt state (null until its first GEMM), under the mutex.
+/// A lane other than 0: a stream and a workspace of its own.
+struct SideLane {
+  cudaStream_t stream = nullptr;
+  void* workspace = nullptr;
+};
+
+/// Every device's cuBLASLt state (null until its first GEMM) and side lanes (null until a grouped
+/// GEMM uses them), under the mutex.
 struct CublasLtStates {
   std::mutex mutex;
   std::vector<CublasLt*> devices;
+  std::vector<std::array<SideLane, kGemmLanes>> lanes;  ///< [device][lane], lane 0 unused
 };
+
+/// kCublasWorkspaceBytes on `device` from the pool, its start rounded up to the alignment
+/// cuBLASLt expects; `raw` is the allocation itself.
+void* aligned_workspace(const Device& device, void*& raw) {
+  raw = device_alloc(kCublasWorkspaceBytes + kCublasWorkspaceAlignment, device);
+  const auto address = reinterpret_cast<uintptr_t>(raw);
+  return reinterpret_cast<void*>((address + kCublasWorkspaceAlignment - 1) /
+                                 kCublasWorkspaceAlignment * kCublasWorkspaceAlignment);
+}
 CublasLtStates& cublaslt_states() {
   static CublasLtStates states;
   return states;
@@ -43,12 +61,8 @@ const CublasLt& cublaslt(const Device& device) {
   if (slot == nullptr) {
     DeviceGuard guard(device);
     auto state = std::make_unique<CublasLt>();
-    // Over-allocate so the start can be rounded up to the alignment cuBLASLt expects.
-    void* raw = device_alloc(kCublasWorkspaceBytes + kCublasWorkspaceAlignment, device);
-    const auto address = reinterpret_cast<uintptr_t>(raw);
-    const uintptr_t aligned = (address + kCublasWorkspaceAlignment - 1) /
-                              kCublasWorkspaceAlignment * kCublasWorkspaceAlignment;
-    state->workspace = reinterpret_cast<void*>(aligned);
+    void* raw = nullptr;
+    state->workspace = aligned_workspace(device, raw);
     state->workspace_bytes = kCublasWorkspaceBytes;
     const cublasStatus_t status = cublasLtCreate(&state->handle);
     if (status != CUBLAS_STATUS_SUCCESS) device_free(raw, device);
@@ -61,10 +75,39 @@ const CublasLt& cublaslt(const Device& device) {
 size_t cublaslt_device_bytes(const Device& device) {
   CublasLtStates& states = cublaslt_states();
   std::lock_guard lock(states.mutex);
-  const bool made = device.is_cuda() && device.index >= 0 &&
-                    static_cast<size_t>(device.index) < states.devices.size() &&
-                    states.devices[device.index] != nullptr;
-  return made ? kCublasWorkspaceBytes + kCublasWorkspaceAlignment : 0;
+  if (!device.is_cuda() || device.index < 0) return 0;
+  const auto index = static_cast<size_t>(device.index);
+  size_t workspaces = index < states.devices.size() && states.devices[index] != nullptr ? 1 : 0;
+  if (index < states.lanes.size())
+    for (const SideLane& lane : states.lanes[index]) workspaces += lane.workspace != nullptr;
+  return workspaces * (kCublasWorkspaceBytes + kCublasWorkspaceAlignment);
+}
+
+// Side lanes live as long as the process, like the main state.
+GemmLane gemm_lane(const Device& device, int lane) {
+  OCTET_CHECK(lane >= 0 && lane < kGemmLanes, "gemm_lane: lane ", lane, " of ", kGemmLanes);
+  if (lane == 0) {
+    const CublasLt& lt = cublaslt(device);
+    return {octet::cuda::stream(device), lt.workspace, lt.workspace_bytes};
+  }
+  cublaslt(device);  // the devices' table and the handle exist first
+  CublasLtStates& states = cublaslt_states();
+  std::lock_guard lock(states.mutex);
+  if (states.lanes.size() < states.devices.size()) states.lanes.resize(states.devices.size());
+  SideLane& side = states.lanes[device.index][lane];
+  if (side.stream == nullptr) {
+    DeviceGuard guard(device);
+    void* raw = nullptr;
+    void* workspace = aligned_workspace(device, raw);
+    // The pool allocated on octet's stream: the side stream may use it once that is done.
+    octet::cuda::synchronize(device);
+    cudaStream_t stream = nullptr;
+    const cudaError_t status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (status != cudaSuccess) device_free(raw, device);
+    OCTET_CHECK_CUDA(status);
+    side = {stream, workspace};
+  }
+  return {side.stream, side.workspace, kCublasWorkspaceBytes};
 }
 
 // ----------------------------------------------------------------------------

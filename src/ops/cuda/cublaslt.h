@@ -40,11 +40,25 @@ struct CublasLt {
   size_t workspace_bytes = 0;
 };
 /// The device's cuBLASLt handle and workspace, created on first use and kept for the process.
-/// All GEMMs of a device run on octet's one stream for it, so they may share the workspace.
+/// Every GEMM on octet's stream for the device uses this workspace (they run one at a time).
 const CublasLt& cublaslt(const Device& device);
-/// Device bytes the device's cuBLASLt state holds (its workspace with the alignment slack); 0
+/// Device bytes the device's cuBLASLt state holds (its workspaces with the alignment slack); 0
 /// before its first GEMM.
 size_t cublaslt_device_bytes(const Device& device);
+
+/// Where one cuBLASLt call runs: a stream, and a workspace no call in flight elsewhere uses.
+struct GemmLane {
+  cudaStream_t stream = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+/// Lanes a grouped GEMM spreads its groups over. Four 1024-row expert GEMMs in flight fill the
+/// GPU's SMs where one leaves most idle; each extra lane costs a 32 MiB workspace.
+inline constexpr int kGemmLanes = 4;
+/// Lane 0 is octet's stream for the device with the device's workspace; lanes 1 .. kGemmLanes - 1
+/// have a stream and a workspace of their own, made the first time they are asked for.
+GemmLane gemm_lane(const Device& device, int lane);
+
 
 /// Entries in the GEMM algorithm cache (one per device, shape, dtypes, layouts, ... key).
 size_t gemm_cache_size();

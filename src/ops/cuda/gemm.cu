@@ -205,17 +205,19 @@ GemmArgs product_only(const GemmArgs& args) {
   return product;
 }
 
-bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
-                  const GemmArgs& args, const GemmShape& shape);
+bool run_cublaslt(const Device& device, const GemmLane& lane, const GemmOperand& a,
+                  const GemmOperand& b, const Tensor& d, const GemmArgs& args,
+                  const GemmShape& shape);
 
 /// The addend where cuBLASLt's epilogue does not take it: D = alpha * op(A) op(B) rounded to D's
 /// dtype, then add_epilogue adds bias and addend (the contract's arithmetic). The first time it
 /// happens is said on stderr and every time is counted (gemm_unfused_addends), so a slow path is
 /// never silent. Returns run_cublaslt's answer for the product.
-bool run_unfused_addend(const Device& device, const GemmOperand& a, const GemmOperand& b,
-                        const Tensor& d, const GemmArgs& args, const GemmShape& shape) {
-  if (!run_cublaslt(device, a, b, d, product_only(args), shape)) return false;
-  add_epilogue(d, d, args.bias, args.addend, shape.m, shape.n, octet::cuda::stream(device));
+bool run_unfused_addend(const Device& device, const GemmLane& lane, const GemmOperand& a,
+                        const GemmOperand& b, const Tensor& d, const GemmArgs& args,
+                        const GemmShape& shape) {
+  if (!run_cublaslt(device, lane, a, b, d, product_only(args), shape)) return false;
+  add_epilogue(d, d, args.bias, args.addend, shape.m, shape.n, lane.stream);
   static std::once_flag note;
   std::call_once(note, [&] {
     std::fprintf(stderr,
@@ -227,12 +229,13 @@ bool run_unfused_addend(const Device& device, const GemmOperand& a, const GemmOp
   return true;
 }
 
-/// Runs one GEMM through cuBLASLt. Returns false (having enqueued no matmul) only for MXFP8
-/// operands that cuBLASLt cannot multiply natively; every other refusal throws.
-bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
-                  const GemmArgs& args, const GemmShape& shape) {
+/// Runs one GEMM through cuBLASLt on `lane`. Returns false (having enqueued no matmul) only for
+/// MXFP8 operands that cuBLASLt cannot multiply natively; every other refusal throws.
+bool run_cublaslt(const Device& device, const GemmLane& lane, const GemmOperand& a,
+                  const GemmOperand& b, const Tensor& d, const GemmArgs& args,
+                  const GemmShape& shape) {
   MatmulSpec spec = make_spec(device, a, b, d, args, shape);
-  cudaStream_t stream = octet::cuda::stream(device);
+  cudaStream_t stream = lane.stream;
   const bool mxfp8 = is_fp8(a.data.dtype()) && a.mode == fp8::ScalingMode::mxfp8_1x32;
   // Where cuBLASLt has no native MXFP8 this converts scales that the emulation then ignores: a
   // pass over M*K/32 bytes, next to the dequantization's 3*M*K.
@@ -251,7 +254,7 @@ bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand&
 
   const Plan plan = find_plan(spec, call);
   if (plan.outcome == Outcome::unfused_addend) {
-    return run_unfused_addend(device, a, b, d, args, shape);
+    return run_unfused_addend(device, lane, a, b, d, args, shape);
   }
   if (plan.outcome == Outcome::unsupported && mxfp8) return false;
   if (plan.outcome != Outcome::ok) throw_no_plan(plan.outcome, a, b, d, shape);
@@ -261,13 +264,13 @@ bool run_cublaslt(const Device& device, const GemmOperand& a, const GemmOperand&
   const CublasLt& lt = cublaslt(device);
   const cublasStatus_t status = cublasLtMatmul(
       lt.handle, &desc.op, &call.alpha, spec.a.data, &desc.a, spec.b.data, &desc.b, &call.beta,
-      call.c, &desc.c, call.d, &desc.d, &plan.algo, lt.workspace, lt.workspace_bytes, stream);
+      call.c, &desc.c, call.d, &desc.d, &plan.algo, lane.workspace, lane.workspace_bytes, stream);
   // The heuristic sees C's layout but not its address, so C != D may still be refused here;
   // such a refusal enqueues nothing, and the key falls back from now on.
   if (spec.addend &&
       (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)) {
     decline_addend(spec.key());
-    return run_unfused_addend(device, a, b, d, args, shape);
+    return run_unfused_addend(device, lane, a, b, d, args, shape);
   }
   OCTET_CHECK_CUBLAS(status);
   if (args.bias.defined() && !plan.fused_bias) {
@@ -290,27 +293,50 @@ void run_mxfp8_emulated(const Device& device, const GemmOperand& a, const GemmOp
                         a.transpose};
   const GemmOperand b16{dequantize_mxfp8(b, stream), Tensor(), fp8::ScalingMode::per_tensor,
                         b.transpose};
-  run_cublaslt(device, a16, b16, d, args, shape);
+  run_cublaslt(device, gemm_lane(device, 0), a16, b16, d, args, shape);
   count_mxfp8_emulation();
 }
 
-}  // namespace
-
-void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args,
-          const GemmShape& shape) {
+/// The GPU every tensor of the GEMM is on, checked to have what the operands need.
+Device gemm_device(const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                   const GemmArgs& args) {
   const Device device = common_device(
       {&a.data, &b.data, &d, a.scale_inv.defined() ? &a.scale_inv : nullptr,
        b.scale_inv.defined() ? &b.scale_inv : nullptr, args.bias.defined() ? &args.bias : nullptr,
        args.addend.defined() ? &args.addend : nullptr},
       "gemm");
   OCTET_CHECK(device.is_cuda(), "gemm (CUDA): tensors must be on a GPU, got ", device);
-  DeviceGuard guard(device);
   if (is_fp8(a.data.dtype()) || is_fp8(b.data.dtype())) {
     const cudaDeviceProp& props = octet::cuda::properties(device);
     OCTET_CHECK(props.major * 10 + props.minor >= kFirstFp8ComputeCapability,
                 "gemm: FP8 GEMMs need FP8 tensor cores (compute capability 8.9 or newer); ", device,
                 " is ", gpu_name(device));
   }
+  return device;
+}
+
+}  // namespace
+
+bool runs_on_any_lane(const GemmOperand& a, const GemmOperand& b, const Tensor& d) {
+  return !is_block_scaled(a) && !is_block_scaled(b) &&
+         !(a.data.dtype() == DType::f32 && d.dtype() == DType::bf16);
+}
+
+void gemm_on_lane(int lane, const GemmOperand& a, const GemmOperand& b, const Tensor& d,
+                  const GemmArgs& args, const GemmShape& shape) {
+  OCTET_CHECK(runs_on_any_lane(a, b, d), "gemm_on_lane: ", describe(a, b, d, shape),
+              " takes temporaries that only lane 0 may use");
+  const Device device = gemm_device(a, b, d, args);
+  DeviceGuard guard(device);
+  const bool ran = run_cublaslt(device, gemm_lane(device, lane), a, b, d, args, shape);
+  OCTET_CHECK(ran, "gemm_on_lane: cuBLASLt took no algorithm for ", describe(a, b, d, shape));
+}
+
+void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const GemmArgs& args,
+          const GemmShape& shape) {
+  const Device device = gemm_device(a, b, d, args);
+  DeviceGuard guard(device);
+  const GemmLane lane = gemm_lane(device, 0);
   if (a.data.dtype() == DType::f32 && d.dtype() == DType::bf16) {
     // cuBLASLt's FP32 GEMM writes FP32 only: go through an FP32 D and round to BF16 once at the
     // end, as the CPU reference does. With an addend the contract rounds the product first, so
@@ -318,17 +344,16 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
     const Tensor d_bf16 = d.view({shape.m, shape.n});
     Tensor d_f32 = Tensor::empty({shape.m, shape.n}, DType::f32, device);
     if (args.addend.defined()) {
-      run_cublaslt(device, a, b, d_f32, product_only(args), shape);
-      add_epilogue(d_f32, d_bf16, args.bias, args.addend, shape.m, shape.n,
-                   octet::cuda::stream(device));
+      run_cublaslt(device, lane, a, b, d_f32, product_only(args), shape);
+      add_epilogue(d_f32, d_bf16, args.bias, args.addend, shape.m, shape.n, lane.stream);
       return;
     }
     if (args.beta != 0.0f) cast(d_bf16, d_f32);
-    run_cublaslt(device, a, b, d_f32, args, shape);
+    run_cublaslt(device, lane, a, b, d_f32, args, shape);
     cast(d_f32, d_bf16);
     return;
   }
-  if (run_cublaslt(device, a, b, d, args, shape)) return;
+  if (run_cublaslt(device, lane, a, b, d, args, shape)) return;
   run_mxfp8_emulated(device, a, b, d, args, shape);
 }
 
