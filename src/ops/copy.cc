@@ -7,6 +7,7 @@
 #include <ostream>
 #include <vector>
 
+#include "ops/byte_ranges.h"
 #include "ops/copy_backend.h"
 #include "ops/dispatch.h"
 
@@ -41,44 +42,23 @@ void check_pair(const Tensor& src, const Tensor& dst, size_t i, const Device& de
                 device, " and ", name, " ", t->describe());
 }
 
-/// The bytes of one tensor of the lists.
-struct Range {
-  uintptr_t begin, end;
-  size_t index;
-};
-
-Range range_of(const Tensor& t, size_t index) {
-  const auto begin = reinterpret_cast<uintptr_t>(t.raw_data());
-  return {begin, begin + t.nbytes(), index};
-}
-
 /// Throws if a dst overlaps another dst or any src: every pair is copied at once, so what an
 /// overlapping pair would read or leave behind would depend on the schedule. Sources may overlap
 /// each other (they are only read).
 void check_no_overlap(std::span<const Tensor> src, std::span<const Tensor> dst) {
-  std::vector<Range> written;
+  std::vector<ByteRange> written;
   written.reserve(dst.size());
   for (size_t i = 0; i < dst.size(); ++i)
-    if (dst[i].nbytes() > 0) written.push_back(range_of(dst[i], i));
-  // Stable, so a message about ranges that start together names them in the order given.
-  std::stable_sort(written.begin(), written.end(),
-                   [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  for (size_t k = 1; k < written.size(); ++k) {
-    const Range &a = written[k - 1], &b = written[k];
-    OCTET_CHECK(b.begin >= a.end, kOp, ": ", EntryName{"dst", b.index}, " overlaps ",
-                EntryName{"dst", a.index}, " in memory; every tensor written must appear once");
-  }
-  // The dst ranges are now disjoint and sorted, so their ends are sorted too: the last one that
-  // begins before a source ends is the only one that can reach into it.
+    if (dst[i].nbytes() > 0) written.push_back(byte_range(dst[i], i));
+  if (const auto pair = sort_and_find_overlap(written))
+    OCTET_ERROR(kOp, ": ", EntryName{"dst", pair->second.entry}, " overlaps ",
+                EntryName{"dst", pair->first.entry},
+                " in memory; every tensor written must appear once");
   for (size_t i = 0; i < src.size(); ++i) {
     if (src[i].nbytes() == 0) continue;
-    const Range read = range_of(src[i], i);
-    auto after = std::partition_point(written.begin(), written.end(),
-                                      [&](const Range& w) { return w.begin < read.end; });
-    if (after == written.begin()) continue;
-    const Range& w = *(after - 1);
-    OCTET_CHECK(w.end <= read.begin, kOp, ": ", EntryName{"dst", w.index}, " overlaps ",
-                EntryName{"src", read.index}, " in memory; a copy's destination must not share ",
+    const auto [first, last] = overlapping(written, byte_range(src[i], i));
+    OCTET_CHECK(first == last, kOp, ": ", EntryName{"dst", first->entry}, " overlaps ",
+                EntryName{"src", i}, " in memory; a copy's destination must not share ",
                 "bytes with any source");
   }
 }

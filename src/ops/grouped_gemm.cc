@@ -2,12 +2,11 @@
 // of expert-contiguous buffers, then one dispatch by device (src/ops/grouped_gemm_backend.h).
 #include "octet/ops/grouped_gemm.h"
 
-#include <algorithm>
-#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "ops/byte_ranges.h"
 #include "ops/dispatch.h"
 #include "ops/grouped_gemm_backend.h"
 
@@ -70,42 +69,23 @@ std::vector<GemmOperand> per_group(std::span<const GemmOperand> x, size_t groups
   return split_rows(x[0], offsets);
 }
 
-/// The bytes a tensor's storage spans, for the overlap check.
-struct Span {
-  uintptr_t begin, end;
-  size_t group;
-};
-
-Span span_of(const Tensor& t, size_t g) {
-  const auto begin = reinterpret_cast<uintptr_t>(t.raw_data());
-  return {begin, begin + t.nbytes(), g};
-}
-
 /// Throws when a group's D overlaps another group's D or anything it reads: the groups may run
 /// in any order, or at once.
 void check_independent(std::span<const GemmProblem> work) {
-  std::vector<Span> written;
-  for (size_t g = 0; g < work.size(); ++g) written.push_back(span_of(work[g].d, g));
-  std::sort(written.begin(), written.end(),
-            [](const Span& a, const Span& b) { return a.begin < b.begin; });
-  for (size_t k = 1; k < written.size(); ++k)
-    OCTET_CHECK(written[k].begin >= written[k - 1].end, "grouped_gemm: groups ",
-                written[k - 1].group, " and ", written[k].group,
+  std::vector<ByteRange> written;
+  for (size_t g = 0; g < work.size(); ++g) written.push_back(byte_range(work[g].d, g));
+  if (const auto pair = sort_and_find_overlap(written))
+    OCTET_ERROR("grouped_gemm: groups ", pair->first.entry, " and ", pair->second.entry,
                 " write overlapping memory; the groups must be independent");
   for (size_t g = 0; g < work.size(); ++g) {
     const GemmProblem& p = work[g];
     for (const Tensor* t : {&p.a.data, &p.a.scale_inv, &p.b.data, &p.b.scale_inv, &p.args.bias,
                             &p.args.addend}) {
       if (!t->defined() || t->nbytes() == 0) continue;
-      const Span read = span_of(*t, g);
-      // The written spans are disjoint and sorted, so the ones overlapping `read` are the run
-      // that starts at the first one ending after `read` begins.
-      auto it = std::upper_bound(written.begin(), written.end(), read.begin,
-                                 [](uintptr_t at, const Span& w) { return at < w.end; });
-      for (; it != written.end() && it->begin < read.end; ++it)
-        OCTET_CHECK(it->group == g, "grouped_gemm: group ", it->group,
-                    " writes memory that group ", g,
-                    " reads; the groups must be independent");
+      const auto [first, last] = overlapping(written, byte_range(*t, g));
+      for (auto w = first; w != last; ++w)
+        OCTET_CHECK(w->entry == g, "grouped_gemm: group ", w->entry, " writes memory that group ",
+                    g, " reads; the groups must be independent");
     }
   }
 }

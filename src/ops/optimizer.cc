@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/byte_ranges.h"
 #include "ops/dispatch.h"
 #include "ops/optimizer_backend.h"
 #include "ops/quantize_backend.h"
@@ -84,30 +85,20 @@ void check_adamw_tensor(const AdamWTensor& t, int index, const Tensor& norm_sq, 
 /// Throws if two entries write the same memory (a tensor listed twice): one launch updates all
 /// entries at once, so unlike one step per tensor it would race instead of stepping twice.
 void check_no_overlap(const AdamWTensor* tensors, int count, const char* op) {
-  struct Range {
-    uintptr_t begin, end;
-    int entry;
-    const char* name;
-  };
-  std::vector<Range> written;
+  constexpr const char* kFields[] = {"param", "m", "v", "bf16_copy"};
+  constexpr int kFieldCount = 4;
+  std::vector<ByteRange> written;  // entry = tensor index * kFieldCount + field
   for (int i = 0; i < count; ++i) {
-    const std::pair<const Tensor*, const char*> state[] = {{&tensors[i].param, "param"},
-                                                           {&tensors[i].m, "m"},
-                                                           {&tensors[i].v, "v"},
-                                                           {&tensors[i].bf16_copy, "bf16_copy"}};
-    for (const auto& [t, name] : state) {
-      if (!t->defined()) continue;
-      const auto begin = reinterpret_cast<uintptr_t>(t->raw_data());
-      written.push_back({begin, begin + t->nbytes(), i, name});
-    }
+    const Tensor* state[kFieldCount] = {&tensors[i].param, &tensors[i].m, &tensors[i].v,
+                                        &tensors[i].bf16_copy};
+    for (int f = 0; f < kFieldCount; ++f)
+      if (state[f]->defined()) written.push_back(byte_range(*state[f], i * kFieldCount + f));
   }
-  // Stable, so a message about ranges that start together names them in the order given.
-  std::stable_sort(written.begin(), written.end(),
-                   [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  for (size_t k = 1; k < written.size(); ++k) {
-    const Range &a = written[k - 1], &b = written[k];
-    OCTET_CHECK(b.begin >= a.end, op, ": tensors[", b.entry, "].", b.name, " overlaps tensors[",
-                a.entry, "].", a.name, " in memory; every tensor written must appear once");
+  if (const auto pair = sort_and_find_overlap(written)) {
+    const auto [a, b] = *pair;
+    OCTET_ERROR(op, ": tensors[", b.entry / kFieldCount, "].", kFields[b.entry % kFieldCount],
+                " overlaps tensors[", a.entry / kFieldCount, "].", kFields[a.entry % kFieldCount],
+                " in memory; every tensor written must appear once");
   }
 }
 
