@@ -322,6 +322,19 @@ void expect_bitwise_same(const ModelRun& a, const ModelRun& b, const char* what)
 }
 
 using RunParam = std::tuple<Device, Arch, std::string>;
+
+/// Every backend x both architectures x every precision.
+auto every_run() {
+  return ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                            ::testing::Values(Arch::gpt2, Arch::llama),
+                            ::testing::ValuesIn(precision_names()));
+}
+
+std::string run_name(const ::testing::TestParamInfo<RunParam>& info) {
+  return device_name(std::get<0>(info.param)) + "_" +
+         std::string(arch_name(std::get<1>(info.param))) + "_" + test_name(std::get<2>(info.param));
+}
+
 class GPTRecomputeTest : public ::testing::TestWithParam<RunParam> {};
 
 TEST_P(GPTRecomputeTest, RecomputeAndRepeatRunsAreBitwiseEqualWithOneUpdatePerPass) {
@@ -346,15 +359,7 @@ TEST_P(GPTRecomputeTest, RecomputeAndRepeatRunsAreBitwiseEqualWithOneUpdatePerPa
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Precisions, GPTRecomputeTest,
-                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
-                                            ::testing::Values(Arch::gpt2, Arch::llama),
-                                            ::testing::ValuesIn(precision_names())),
-                         [](const auto& info) {
-                           return device_name(std::get<0>(info.param)) + "_" +
-                                  std::string(arch_name(std::get<1>(info.param))) + "_" +
-                                  test_name(std::get<2>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Precisions, GPTRecomputeTest, every_run(), run_name);
 
 TEST(GPTPlacement, ModelOnSecondGpuMatchesTheFirstBitwise) {
   if (cuda_device_count() < 2)
@@ -372,8 +377,7 @@ TEST(GPTPlacement, ModelOnSecondGpuMatchesTheFirstBitwise) {
 // ----------------------------------------------------------------------------
 // A model split into stages over devices equals the unsplit model bitwise
 
-using SplitParam = std::tuple<Device, Arch, std::string>;
-class GPTSplitTest : public ::testing::TestWithParam<SplitParam> {};
+class GPTSplitTest : public ::testing::TestWithParam<RunParam> {};
 
 // Stages on one device run every copy a split over GPUs makes (activations and gradients between
 // stages, the tied head's weight and gradient), so the order of the work is checked on any
@@ -392,15 +396,7 @@ TEST_P(GPTSplitTest, StagesOnOneDeviceEqualTheUnsplitModelBitwise) {
                       "three stages, with recompute");
 }
 
-INSTANTIATE_TEST_SUITE_P(Precisions, GPTSplitTest,
-                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
-                                            ::testing::Values(Arch::gpt2, Arch::llama),
-                                            ::testing::ValuesIn(precision_names())),
-                         [](const auto& info) {
-                           return device_name(std::get<0>(info.param)) + "_" +
-                                  std::string(arch_name(std::get<1>(info.param))) + "_" +
-                                  test_name(std::get<2>(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(Precisions, GPTSplitTest, every_run(), run_name);
 
 TEST(GPTSplit, TwoGpusEqualEitherGpuAloneBitwiseWithTheCurrentDeviceLeftAt0) {
   if (cuda_device_count() < 2)
