@@ -62,9 +62,9 @@ std::ostream& operator<<(std::ostream& out, const EntryName& name) {
   return out << name.field;
 }
 
-/// Throws unless entry `index` (param, grad, m, v) holds f32 tensors of param's shape on
-/// norm_sq's device, and a finite weight decay >= 0.
-void check_adamw_tensor(const AdamWTensor& t, int index, const Tensor& norm_sq, const char* op) {
+/// Throws unless entry `index` (param, grad, m, v) holds f32 tensors of param's shape on param's
+/// device, and a finite weight decay >= 0.
+void check_adamw_tensor(const AdamWTensor& t, int index, const char* op) {
   const std::pair<const Tensor*, const char*> state[] = {
       {&t.param, "param"}, {&t.grad, "grad"}, {&t.m, "m"}, {&t.v, "v"}};
   for (const auto& [tensor, field] : state) check_f32(*tensor, op, EntryName{index, field});
@@ -72,9 +72,9 @@ void check_adamw_tensor(const AdamWTensor& t, int index, const Tensor& norm_sq, 
     OCTET_CHECK(tensor->shape() == t.param.shape(), op, ": ", EntryName{index, field},
                 " must have param's shape ", shape_str(t.param.shape()), ", got ",
                 tensor->describe());
-    OCTET_CHECK(tensor->device() == norm_sq.device(), op,
-                ": all tensors must be on one device, got norm_sq ", norm_sq.describe(), " and ",
-                EntryName{index, field}, " ", tensor->describe());
+    OCTET_CHECK(tensor->device() == t.param.device(), op,
+                ": all tensors must be on one device, got ", EntryName{index, "param"}, " ",
+                t.param.describe(), " and ", EntryName{index, field}, " ", tensor->describe());
   }
   const EntryName decay{index, "weight_decay"};
   OCTET_CHECK(std::isfinite(t.weight_decay), op, ": ", decay, " must be finite (>= 0), got ",
@@ -129,22 +129,42 @@ void check_adamw_cast(const AdamWTensor& t, int index, const char* op) {
   check_quantize_target(op, t.param.rows(), t.param.cols(), *t.cast->out, t.cast->args, t.param);
 }
 
-/// Runs the validated step on norm_sq's device. The CPU casts with ops::quantize and ops::cast
-/// after its step; the CUDA backend writes the casts and copies itself.
+/// Calls f(begin, end, device) for each run [begin, end) of consecutive entries on one device
+/// (device_of(i): entry i's), in order: a model split over devices has one run per stage.
+template <typename DeviceOf, typename F>
+void for_each_device_run(int count, DeviceOf device_of, F&& f) {
+  for (int begin = 0, end = 0; begin < count; begin = end) {
+    const Device device = device_of(begin);
+    while (end < count && device_of(end) == device) ++end;
+    f(begin, end, device);
+  }
+}
+
+/// Runs the validated step: one launch per run of entries on one device, with norm_sq copied
+/// there when it lies elsewhere (the same float, so the same clip factor). The CPU casts with
+/// ops::quantize and ops::cast after its step; the CUDA backend writes the casts and copies
+/// itself.
 void run_adamw(const AdamWTensor* tensors, int count, const Tensor& norm_sq, const AdamWArgs& args,
                const char* op) {
   const AdamWCoefficients coefficients = adamw_coefficients(args);
-  dispatch(
-      norm_sq.device(), op,
-      [&] {
-        cpu::adamw_step(tensors, count, norm_sq, coefficients);
-        for (int i = 0; i < count; ++i) {
-          if (tensors[i].cast != nullptr)
-            quantize(tensors[i].param, *tensors[i].cast->out, tensors[i].cast->args);
-          if (tensors[i].bf16_copy.defined()) cast(tensors[i].param, tensors[i].bf16_copy);
-        }
-      },
-      [&] { OCTET_CUDA_ONLY(cuda::adamw_step(tensors, count, norm_sq, coefficients)); });
+  for_each_device_run(
+      count, [&](int i) { return tensors[i].param.device(); },
+      [&](int begin, int end, const Device& device) {
+        const AdamWTensor* run = tensors + begin;
+        const int n = end - begin;
+        const Tensor norm = norm_sq.device() == device ? norm_sq : norm_sq.to(device);
+        dispatch(
+            device, op,
+            [&] {
+              cpu::adamw_step(run, n, norm, coefficients);
+              for (int i = 0; i < n; ++i) {
+                if (run[i].cast != nullptr)
+                  quantize(run[i].param, *run[i].cast->out, run[i].cast->args);
+                if (run[i].bf16_copy.defined()) cast(run[i].param, run[i].bf16_copy);
+              }
+            },
+            [&] { OCTET_CUDA_ONLY(cuda::adamw_step(run, n, norm, coefficients)); });
+      });
 }
 
 }  // namespace
@@ -159,18 +179,17 @@ void global_norm_squared(const Tensor* grads, int count, const Tensor& norm_sq) 
   // Each run of consecutive gradients on one device gets its tensor sums there; they meet in
   // order on norm_sq's device, so the total is the one-device total bit for bit.
   const Tensor sums = Tensor::empty({count}, DType::i64, norm_sq.device());
-  for (int begin = 0, end = 0; begin < count; begin = end) {
-    const Device& device = grads[begin].device();
-    while (end < count && grads[end].device() == device) ++end;
-    const Tensor here = device == norm_sq.device()
-                            ? sums.slice(begin, end)
-                            : Tensor::empty({end - begin}, DType::i64, device);
-    dispatch(
-        device, op, [&] { cpu::tensor_norm_sums(grads + begin, end - begin, here); },
-        [&] { OCTET_CUDA_ONLY(cuda::tensor_norm_sums(grads + begin, end - begin, here)); });
-    if (here.raw_data() != sums.slice(begin, end).raw_data())
-      sums.slice(begin, end).copy_from(here);
-  }
+  for_each_device_run(
+      count, [&](int i) { return grads[i].device(); },
+      [&](int begin, int end, const Device& device) {
+        Tensor slots = sums.slice(begin, end);
+        const bool local = device == norm_sq.device();
+        const Tensor here = local ? slots : Tensor::empty({end - begin}, DType::i64, device);
+        dispatch(
+            device, op, [&] { cpu::tensor_norm_sums(grads + begin, end - begin, here); },
+            [&] { OCTET_CUDA_ONLY(cuda::tensor_norm_sums(grads + begin, end - begin, here)); });
+        if (!local) slots.copy_from(here);
+      });
   dispatch(
       norm_sq.device(), op, [&] { cpu::sum_tensor_norms(sums, norm_sq); },
       [&] { OCTET_CUDA_ONLY(cuda::sum_tensor_norms(sums, norm_sq)); });
@@ -181,7 +200,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
   constexpr const char* op = "adamw_step";
   check_norm_sq(norm_sq, op);
   const AdamWTensor one{param, grad, m, v, args.weight_decay};
-  check_adamw_tensor(one, -1, norm_sq, op);
+  check_adamw_tensor(one, -1, op);
   check_adamw_args(args, op);
   run_adamw(&one, 1, norm_sq, args, op);
 }
@@ -193,7 +212,7 @@ void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
   OCTET_CHECK(tensors != nullptr, op, ": tensors is null but count is ", count);
   check_norm_sq(norm_sq, op);
   for (int i = 0; i < count; ++i) {
-    check_adamw_tensor(tensors[i], i, norm_sq, op);
+    check_adamw_tensor(tensors[i], i, op);
     check_adamw_cast(tensors[i], i, op);
     check_adamw_bf16_copy(tensors[i], i, op);
   }

@@ -187,15 +187,7 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
     s.adamw[i].cast = casts[i].cast;
     s.adamw[i].bf16_copy = casts[i].bf16_copy;
   }
-  // One launch per run of parameters on one device (a split model's stages), each clipped by the
-  // same global norm.
-  for (size_t begin = 0, end = 0; begin < s.adamw.size(); begin = end) {
-    const Device& device = s.adamw[begin].param.device();
-    while (end < s.adamw.size() && s.adamw[end].param.device() == device) ++end;
-    const Tensor& norm_sq = checks.norm_sq();
-    ops::adamw_step(s.adamw.data() + begin, static_cast<int>(end - begin),
-                    norm_sq.device() == device ? norm_sq : norm_sq.to(device), args);
-  }
+  ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), checks.norm_sq(), args);
   s.model->on_weights_updated(nn::PreparedCast::written);
   // The table keeps no cast: the next step's next_casts() frees them before it allocates.
   for (ops::AdamWTensor& t : s.adamw) {

@@ -92,9 +92,7 @@ struct AdamW {
       args.lr = lr;
       args.step = step;
       args.weight_decay = params[i].weight_decay ? 0.1f : 0.0f;
-      const Device& device = params[i].value.device();
-      ops::adamw_step(params[i].value, params[i].grad, m[i], v[i],
-                      device == norm_sq.device() ? norm_sq : norm_sq.to(device), args);
+      ops::adamw_step(params[i].value, params[i].grad, m[i], v[i], norm_sq, args);
     }
     model.on_weights_updated();
   }

@@ -24,9 +24,9 @@ struct AdamWArgs {
   float max_grad_norm = 1.0f;  ///< clip threshold; <= 0 disables clipping
 };
 
-/// One AdamW step for param/grad/m/v (f32, same shape and device). The gradient is scaled by
-/// min(1, max_grad_norm / (sqrt(norm_sq[0]) + 1e-6)) read from the device tensor norm_sq, so
-/// clipping needs no host synchronisation.
+/// One AdamW step for param/grad/m/v (f32, same shape and device; norm_sq may lie on another
+/// device). The gradient is scaled by min(1, max_grad_norm / (sqrt(norm_sq[0]) + 1e-6)) read
+/// from the device tensor norm_sq, so clipping needs no host synchronisation.
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                 const Tensor& norm_sq, const AdamWArgs& args);
 
@@ -48,8 +48,10 @@ struct AdamWTensor {
   Tensor bf16_copy{};
 };
 
-/// The one-tensor adamw_step for every entry of `tensors` (count >= 1, all on norm_sq's device),
-/// in one kernel launch on CUDA. Entry i gets, bit for bit, what adamw_step would give it with
+/// The one-tensor adamw_step for every entry of `tensors` (count >= 1; each entry's tensors on
+/// one device), in one kernel launch on CUDA per run of consecutive entries on one device (a
+/// model split over devices: one per stage), with norm_sq copied to that device when it lies
+/// elsewhere. Entry i gets, bit for bit, what adamw_step would give it with
 /// args.weight_decay = tensors[i].weight_decay; args.weight_decay itself is not read.
 void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
                 const AdamWArgs& args);
