@@ -86,11 +86,8 @@ size_t cublaslt_device_bytes(const Device& device) {
 // Side lanes live as long as the process, like the main state.
 GemmLane gemm_lane(const Device& device, int lane) {
   OCTET_CHECK(lane >= 0 && lane < kGemmLanes, "gemm_lane: lane ", lane, " of ", kGemmLanes);
-  if (lane == 0) {
-    const CublasLt& lt = cublaslt(device);
-    return {octet::cuda::stream(device), lt.workspace, lt.workspace_bytes};
-  }
-  cublaslt(device);  // the devices' table and the handle exist first
+  const CublasLt& lt = cublaslt(device);  // also makes the devices' table
+  if (lane == 0) return {lt.handle, octet::cuda::stream(device), lt.workspace, lt.workspace_bytes};
   CublasLtStates& states = cublaslt_states();
   std::lock_guard lock(states.mutex);
   if (states.lanes.size() < states.devices.size()) states.lanes.resize(states.devices.size());
@@ -107,7 +104,7 @@ GemmLane gemm_lane(const Device& device, int lane) {
     OCTET_CHECK_CUDA(status);
     side = {stream, workspace};
   }
-  return {side.stream, side.workspace, kCublasWorkspaceBytes};
+  return {lt.handle, side.stream, side.workspace, kCublasWorkspaceBytes};
 }
 
 // ----------------------------------------------------------------------------

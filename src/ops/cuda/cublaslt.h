@@ -46,8 +46,10 @@ const CublasLt& cublaslt(const Device& device);
 /// before its first GEMM.
 size_t cublaslt_device_bytes(const Device& device);
 
-/// Where one cuBLASLt call runs: a stream, and a workspace no call in flight elsewhere uses.
+/// Where one cuBLASLt call runs: a stream, and a workspace no call in flight elsewhere uses; with
+/// the device's handle, so a call needs no second lookup.
 struct GemmLane {
+  cublasLtHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

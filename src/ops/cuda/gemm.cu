@@ -261,9 +261,8 @@ bool run_cublaslt(const Device& device, const GemmLane& lane, const GemmOperand&
 
   Descriptors desc;
   init_descriptors(spec, call, plan.fused_bias, desc);
-  const CublasLt& lt = cublaslt(device);
   const cublasStatus_t status = cublasLtMatmul(
-      lt.handle, &desc.op, &call.alpha, spec.a.data, &desc.a, spec.b.data, &desc.b, &call.beta,
+      lane.handle, &desc.op, &call.alpha, spec.a.data, &desc.a, spec.b.data, &desc.b, &call.beta,
       call.c, &desc.c, call.d, &desc.d, &plan.algo, lane.workspace, lane.workspace_bytes, stream);
   // The heuristic sees C's layout but not its address, so C != D may still be refused here;
   // such a refusal enqueues nothing, and the key falls back from now on.

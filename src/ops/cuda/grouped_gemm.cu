@@ -10,6 +10,7 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -104,9 +105,10 @@ class LaneFork {
 }  // namespace
 
 void grouped_gemm(std::span<const GemmProblem> problems, std::span<const GemmShape> shapes) {
-  std::vector<size_t> on_lanes;  // the groups that may run on any lane
+  std::vector<size_t> on_lanes, on_stream;  // the groups that may run on any lane, and the rest
   for (size_t i = 0; i < problems.size(); ++i)
-    if (runs_on_any_lane(problems[i].a, problems[i].b, problems[i].d)) on_lanes.push_back(i);
+    (runs_on_any_lane(problems[i].a, problems[i].b, problems[i].d) ? on_lanes : on_stream)
+        .push_back(i);
   const int lanes = static_cast<int>(std::min<size_t>(kGemmLanes, on_lanes.size()));
   if (lanes > 1) {
     const Device device = problems[on_lanes[0]].d.device();
@@ -116,9 +118,10 @@ void grouped_gemm(std::span<const GemmProblem> problems, std::span<const GemmSha
       const GemmProblem& p = problems[on_lanes[k]];
       gemm_on_lane(static_cast<int>(k % lanes), p.a, p.b, p.d, p.args, shapes[on_lanes[k]]);
     }
+  } else {
+    on_stream.insert(on_stream.end(), on_lanes.begin(), on_lanes.end());
   }
-  for (size_t i = 0; i < problems.size(); ++i) {
-    if (lanes > 1 && runs_on_any_lane(problems[i].a, problems[i].b, problems[i].d)) continue;
+  for (const size_t i : on_stream) {
     const GemmProblem& p = problems[i];
     gemm(p.a, p.b, p.d, p.args, shapes[i]);
   }
