@@ -51,6 +51,8 @@ constexpr AttentionTiling kTilings[] = {
 /// Causal-half GEMMs counted per pass (see the file comment).
 constexpr double kForwardGemms = 2;
 constexpr double kBackwardGemms = 5;
+/// RoPE's base: the cost does not depend on it.
+constexpr float kRopeTheta = 10000.0f;
 
 /// Relative L2 bounds of a tiling's results against the library's: the bf16 bounds of
 /// tests/ops/attention_test.cc, which holds the library's results to a double-precision reference.
@@ -196,9 +198,32 @@ void bm_attention_cudnn(benchmark::State& state, const ops::AttentionShape& s, b
   });
 }
 
+/// RoPE on q and k of a packed bf16 qkv, in place (ops::rope), against a copy of the bytes it
+/// moves: q and k read once and written once (v is not touched).
+void bm_rope(benchmark::State& state, const ops::AttentionShape& s) {
+  guarded(state, [&] {
+    copy_bandwidth();
+    Tensor qkv = random_tensor({s.batch * s.seq, 3 * s.heads * s.head_dim}, DType::bf16, 1);
+    const double seconds = time_loop(state, [&] { ops::rope(qkv, s, kRopeTheta, false); });
+    const double bytes = 2.0 * 2 * s.batch * s.seq * s.heads * s.head_dim * 2;
+    report_memory(state, seconds, bytes, bytes + 8.0 * s.seq * s.head_dim / 2);
+    state.SetLabel("q and k rotated in place (plus the angle table), vs D2D copy");
+  });
+}
+
 }  // namespace
 
 void register_attention_benchmarks() {
+  // Llama-style shapes: llama-1b's and moe-16x2048's 16 heads of 128 (32 x 1024 tokens), and
+  // GPT-2 1.5B's heads (rope is on for Llama-style models only, but the kernel takes any).
+  for (const ops::AttentionShape s :
+       {ops::AttentionShape{32, 1024, 16, 128}, ops::AttentionShape{8, 1024, 25, 64}}) {
+    const std::string name = "attention/rope/B" + std::to_string(s.batch) + "_T" +
+                             std::to_string(s.seq) + "_H" + std::to_string(s.heads) + "_D" +
+                             std::to_string(s.head_dim);
+    configure(
+        benchmark::RegisterBenchmark(name.c_str(), [s](benchmark::State& st) { bm_rope(st, s); }));
+  }
   for (const AttentionCase& c : kCases) {
     const ops::AttentionShape s = c.shape;
     const std::string shape = std::string(c.model) + "/B" + std::to_string(s.batch) + "_T" +
