@@ -184,6 +184,12 @@ FP8State& Linear::state_for(const fp8::Recipe& recipe) {
 std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key,
                                                       const fp8::Recipe* recipe, ForwardMode mode) {
   if (weight_cast_ && weight_cast_->key == key) return weight_cast_;
+  OCTET_CHECK(weight_.defined(), "Linear(in=", in_, ", out=", out_,
+              "): its FP32 master weight "
+              "was released (ZeRO-1 keeps it on the rank that updates it) and the layer holds no ",
+              key.fp8 ? "FP8 cast for this recipe" : "cast for this compute dtype",
+              "; it computes "
+              "only in the format of the casts the optimizer writes for it");
   // Inference leaves the module as it found it: no amax recorded, nothing cached or counted.
   const bool inference = mode == ForwardMode::inference;
   auto cast = std::make_shared<WeightCast>();
@@ -224,7 +230,8 @@ int64_t Linear::weight_cast_bytes() const {
     if (c == nullptr) continue;
     total += bytes(c->q.data) + bytes(c->q.scale_inv) + bytes(c->q.data_t) +
              bytes(c->q.scale_inv_t) + bytes(c->scale) + bytes(c->bias_bf16);
-    if (c->dense.defined() && c->dense.raw_data() != weight_.raw_data()) total += bytes(c->dense);
+    if (c->dense.defined() && !(weight_.defined() && c->dense.raw_data() == weight_.raw_data()))
+      total += bytes(c->dense);
   }
   return total;
 }
@@ -265,13 +272,21 @@ const Linear::NextCast& Linear::prepare_next_cast() {
 }
 
 void Linear::on_weights_updated(PreparedCast prepared) {
-  weight_cast_.reset();
   next_targets_ = NextCast{};
-  if (prepared == PreparedCast::dropped) next_cast_.reset();
+  if (prepared == PreparedCast::dropped) {
+    next_cast_.reset();
+    // Without the master here only the step that changes it can write a cast (ZeRO-1's owner
+    // does, through prepare_next_cast), so a dropped update (a skipped step) changed nothing.
+    if (weight_.defined()) weight_cast_.reset();
+    return;
+  }
+  weight_cast_.reset();
   if (!next_cast_) return;
   ++weight_casts_;
   weight_cast_ = std::move(next_cast_);
 }
+
+void Linear::release_master_weight() { weight_ = Tensor(); }
 
 Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
   Saved out;

@@ -156,8 +156,10 @@ TrainState make_train_state(const ModelConfig& config, const Precision& precisio
 std::vector<std::pair<std::string, Tensor>> checkpoint_tensors(TrainState& s) {
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (size_t i = 0; i < s.params.size(); ++i) {
-    OCTET_CHECK(s.adam_m[i].defined() && s.adam_v[i].defined(), "checkpoint_tensors: the AdamW ",
-                "moments are sharded (ZeRO-1): gather them first (ZeroOptimizer::gather_moments)");
+    OCTET_CHECK(s.params[i].value.defined() && s.adam_m[i].defined() && s.adam_v[i].defined(),
+                "checkpoint_tensors: ", s.params[i].name,
+                "'s master or AdamW moments are held by "
+                "another rank (ZeRO-1): gather them first (ZeroOptimizer::gather)");
     tensors.emplace_back("param." + s.params[i].name, s.params[i].value);
     tensors.emplace_back("adam_m." + s.params[i].name, s.adam_m[i]);
     tensors.emplace_back("adam_v." + s.params[i].name, s.adam_v[i]);

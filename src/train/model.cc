@@ -477,7 +477,9 @@ std::vector<nn::LinearObserver> GPT::Impl::stats_observers() {
           s.name = module_name(l, slot);
           s.input = nn::measure_cast(input, saved.input_q.data, saved.snapshot.input_scale);
           const nn::WeightCast& w = *saved.snapshot.weight;
-          s.weight = nn::measure_cast(blocks[l].linear(slot).weight(), w.q.data, w.scale);
+          // A master another rank keeps (ZeRO-1) is measured there.
+          if (const Tensor& master = blocks[l].linear(slot).weight(); master.defined())
+            s.weight = nn::measure_cast(master, w.q.data, w.scale);
         });
   }
   return observers;
@@ -670,17 +672,24 @@ std::vector<ParamCast> GPT::next_casts() {
   Impl& m = *impl_;
   m.head_cast = m.next_head_cast = Tensor();  // as Linear::prepare_next_cast: read no more
   for (size_t i = 0; i < entries.size(); ++i) {
-    if (m.act != DType::f32 && entries[i].value.raw_data() == m.head_weight().raw_data()) {
-      m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.head_weight().device());
-      casts[i].bf16_copy = m.next_head_cast;
-    } else if (const nn::Linear* w = entries[i].weight_of) {
+    // A Linear's weight may have no master here (ZeRO-1): it is told apart without reading it.
+    if (const nn::Linear* w = entries[i].weight_of) {
       casts[i].cast = w->prepared_next_cast().weight_fp8;
       casts[i].bf16_copy = w->prepared_next_cast().weight_bf16;
     } else if (const nn::Linear* b = entries[i].bias_of) {
       casts[i].bf16_copy = b->prepared_next_cast().bias_bf16;
+    } else if (m.act != DType::f32 && entries[i].value.raw_data() == m.head_weight().raw_data()) {
+      m.next_head_cast = Tensor::empty(m.head_weight().shape(), m.act, m.head_weight().device());
+      casts[i].bf16_copy = m.next_head_cast;
     }
   }
   return casts;
+}
+
+std::vector<nn::Linear*> GPT::weight_layers() {
+  std::vector<nn::Linear*> out;
+  for (const Entry& e : impl_->entries()) out.push_back(e.weight_of);
+  return out;
 }
 
 int64_t GPT::weight_cast_bytes() {

@@ -55,9 +55,9 @@ json cast_json(const nn::CastStats& c) {
 
 /// Per FP8 module: what each of its casts did (input, weight, grad_output: amax, the scale used,
 /// saturated and underflowed fractions).
-json fp8_statistics(GPT& model) {
+json fp8_statistics(const std::vector<Fp8LayerStats>& layers) {
   json stats = json::object();
-  for (const Fp8LayerStats& s : model.fp8_layer_stats()) {
+  for (const Fp8LayerStats& s : layers) {
     json layer{{"input", cast_json(s.input)}, {"weight", cast_json(s.weight)}};
     if (s.grad_output.measured) layer["grad_output"] = cast_json(s.grad_output);
     stats[s.name] = std::move(layer);
@@ -167,9 +167,8 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
   args.step = step;
   args.max_grad_norm = static_cast<float>(o.grad_clip);
   if (s.zero) {
-    // Each rank updates its shard and gathers the rest; the next forward recasts the weights.
+    // Each rank updates its tensors (writing their next casts) and receives the others'.
     s.zero->step(s, checks.norm_sq(), args);
-    s.model->on_weights_updated(nn::PreparedCast::dropped);
     return r;
   }
   if (s.adamw.empty()) {
@@ -437,9 +436,11 @@ void train(const TrainOptions& options) {
           dp.size(), dp.describe().c_str(), (long long)(o.accum / dp.size()), buckets);
     }
     if (s.zero || o.grad_reduce_dtype != "fp32")
-      std::printf("  zero %lld (AdamW moments per rank: %.1f MB), gradient reduction in %s\n",
-                  (long long)o.zero,
-                  static_cast<double>(moment_bytes(s)) / 1e6,
+      std::printf("  zero %lld (AdamW moments per rank: %.1f MB%s), gradient reduction in %s\n",
+                  (long long)o.zero, static_cast<double>(moment_bytes(s)) / 1e6,
+                  s.zero ? "; the weights' FP32 masters on their owners only once a step has "
+                           "written their casts"
+                         : "",
                   o.grad_reduce_dtype.c_str());
     if (nn::disabled_fusions() != "none")
       std::printf("  fusions off: %s (bitwise the same results, slower)\n",
@@ -481,13 +482,13 @@ void train(const TrainOptions& options) {
   fs::path checkpoint_path;
   int64_t saved_step = -1;
   auto save = [&] {
-    // Under ZeRO every rank takes part in gathering the whole moments, so the file is the one a
-    // run without ZeRO writes, and resumes with or without it, on any number of ranks.
-    if (s.zero) s.zero->gather_moments(s);
+    // Under ZeRO every rank takes part in gathering the whole masters and moments, so the file is
+    // the one a run without ZeRO writes, and resumes with or without it, on any number of ranks.
+    if (s.zero) s.zero->gather(s);
     if (root)
       checkpoint_path = save_checkpoint(o.out, s.step, checkpoint_tensors(s),
                                         run_metadata(o, config, precision, *data, s.step), o.keep);
-    if (s.zero) s.zero->release_moments(s);
+    if (s.zero) s.zero->release(s);
     saved_step = s.step;
   };
   auto intact_checkpoint = [&]() -> std::string {
@@ -516,9 +517,16 @@ void train(const TrainOptions& options) {
                         {"lr", lr},
                         {"tokens_per_s", tokens_per_step / seconds}};
     skips.record(step, r.verdict, loss, fields);  // also prints a line per skip and flag
+    std::vector<Fp8LayerStats> fp8_stats;
+    if (stats) {
+      fp8_stats = s.model->fp8_layer_stats();
+      // Under ZeRO a weight's cast is measured where its master is (collective).
+      if (s.zero) fp8_stats = s.zero->share_weight_stats(s, std::move(fp8_stats));
+    }
     if (root) {
-      // The statistics are rank 0's own casts (its share of the microbatches).
-      if (stats) fields.emplace_back("fp8", fp8_statistics(*s.model));
+      // The input and gradient statistics are rank 0's own casts (its share of the
+      // microbatches); the weights' are every rank's.
+      if (stats) fields.emplace_back("fp8", fp8_statistics(fp8_stats));
       if (config.experts > 0) fields.emplace_back("moe", moe_statistics(*s.model));
       // Evaluation reads the val split only; the replicas are identical, so rank 0's is the run's.
       if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps)
@@ -547,6 +555,7 @@ void train(const TrainOptions& options) {
   if (o.data == "builtin" && config.vocab >= kByteVocab) {
     print_arithmetic_skill(*s.model);
   }
+  if (s.zero) std::printf("%s\n", s.zero->describe(s).c_str());
   if (skips.total() > 0)
     std::printf("skipped steps: %lld (\"skipped\" in metrics.jsonl)\n", (long long)skips.total());
   std::printf("checkpoint: %s\n", checkpoint_path.c_str());
@@ -603,7 +612,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   };
   std::vector<Tensor> values, grads;
   for (const Parameter& p : s.params) {
-    values.push_back(p.value);
+    if (p.value.defined()) values.push_back(p.value);  // under ZeRO-1, the masters kept here
     grads.push_back(p.grad);
   }
   TrainBenchResult result{config.preset,

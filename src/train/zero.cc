@@ -1,15 +1,55 @@
-// ZeRO-1: AdamW moments sharded over the data-parallel ranks (the header has the reasoning).
+// ZeRO-1: AdamW moments and FP32 masters sharded over the data-parallel ranks (the header has the
+// reasoning).
 #include "octet/train/zero.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <map>
 
 namespace octet::train {
 namespace {
 
-int64_t parameter_count(const TrainState& s) {
-  int64_t total = 0;
-  for (const Parameter& p : s.params) total += p.value.numel();
-  return total;
+/// What the step writes besides the master: the FP8 cast's copies and scales, and the weight amax
+/// it records (a view of the FP8 state's history), or the bf16 copy.
+void append_cast_outputs(const ParamCast& cast, std::vector<Tensor>& out) {
+  if (cast.cast != nullptr) {
+    const fp8::QuantizedTensor& q = *cast.cast->out;
+    for (const Tensor* t :
+         {&q.data, &q.scale_inv, &q.data_t, &q.scale_inv_t, &cast.cast->args.amax})
+      if (t->defined()) out.push_back(*t);
+  }
+  if (cast.bf16_copy.defined()) out.push_back(cast.bf16_copy);
+}
+
+bool writes_cast(const ParamCast& cast) { return cast.cast != nullptr || cast.bf16_copy.defined(); }
+
+/// The statistics' fields as floats, for a sum over the ranks in which one rank gives them and
+/// the others zeros: a double travels as three floats whose sum is exactly it.
+constexpr int kStatFields = 9;
+void split_double(double v, float* out) {
+  for (int k = 0; k < 3; ++k) {
+    out[k] = static_cast<float>(v);
+    v -= static_cast<double>(out[k]);  // exact: the float is v's leading bits
+  }
+}
+double join_double(const float* in) {
+  return static_cast<double>(in[0]) + static_cast<double>(in[1]) + static_cast<double>(in[2]);
+}
+void pack_stats(const nn::CastStats& c, float* out) {
+  out[0] = c.measured ? 1.0f : 0.0f;
+  out[1] = c.amax;
+  out[2] = c.scale;
+  split_double(c.saturated_fraction, out + 3);
+  split_double(c.underflow_fraction, out + 6);
+}
+nn::CastStats unpack_stats(const float* in) {
+  nn::CastStats c;
+  c.measured = in[0] != 0.0f;
+  c.amax = in[1];
+  c.scale = in[2];
+  c.saturated_fraction = join_double(in + 3);
+  c.underflow_fraction = join_double(in + 6);
+  return c;
 }
 
 }  // namespace
@@ -22,67 +62,133 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<dist::Communicator> comm, TrainStat
                   s.adam_v.size() == s.params.size(),
               "ZeroOptimizer: the train state has ", s.params.size(), " parameters and ",
               s.adam_m.size(), " moments");
-  const Device device = s.params[0].value.device();
-  shard_ = dist::shard_range(parameter_count(s), comm_->size(), comm_->rank());
-  m_ = Tensor::empty({shard_.size()}, DType::f32, device);
-  v_ = Tensor::empty({shard_.size()}, DType::f32, device);
-  int64_t at = 0;  // where parameter i starts in the flat buffer
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const Parameter& p = s.params[i];
-    const int64_t from = std::max(shard_.begin, at), to = std::min(shard_.end, at + p.value.numel());
-    if (from < to) {
-      const auto part = [&](const Tensor& t) { return t.view({-1}).slice(from - at, to - at); };
-      const auto mine = [&](const Tensor& t) {
-        return t.slice(from - shard_.begin, to - shard_.begin);
-      };
-      mine(m_).copy_from(part(s.adam_m[i]));
-      mine(v_).copy_from(part(s.adam_v[i]));
-      const float decay = p.weight_decay ? static_cast<float>(weight_decay) : 0.0f;
-      pieces_.push_back({part(p.value), part(p.grad), mine(m_), mine(v_), decay});
-    }
+  layers_ = s.model->weight_layers();
+  OCTET_CHECK(layers_.size() == s.params.size(), "ZeroOptimizer: the model has ", layers_.size(),
+              " parameters, the train state ", s.params.size());
+  int64_t total = 0;
+  for (const Parameter& p : s.params) total += p.value.numel();
+  whole_bytes_ = 4 * total;
+  // Equal parts of the flat buffer; a tensor goes to the part that holds its middle element.
+  const int64_t part = dist::shard_range(total, comm_->size(), 0).size();
+  int64_t at = 0;
+  for (const Parameter& p : s.params) {
+    const int64_t middle = at + p.value.numel() / 2;
+    owners_.push_back(static_cast<int>(std::min<int64_t>(comm_->size() - 1, middle / part)));
+    decay_.push_back(p.weight_decay ? static_cast<float>(weight_decay) : 0.0f);
+    numels_.push_back(p.value.numel());
     at += p.value.numel();
   }
-  release_moments(s);
+  master_apart_.assign(s.params.size(), false);
+  release(s);
 }
 
 void ZeroOptimizer::step(TrainState& s, const Tensor& norm_sq, const ops::AdamWArgs& args) {
-  // A rank whose shard is empty (more ranks than parameters) updates nothing but still gathers.
-  if (!pieces_.empty())
-    ops::adamw_step(pieces_.data(), static_cast<int>(pieces_.size()), norm_sq, args);
-  std::vector<Tensor> values;
-  values.reserve(s.params.size());
-  for (const Parameter& p : s.params) values.push_back(p.value);
-  comm_->all_gather(values);
-}
-
-void ZeroOptimizer::gather_moments(TrainState& s) {
-  for (auto* moments : {&s.adam_m, &s.adam_v}) {
-    const Tensor& mine = moments == &s.adam_m ? m_ : v_;
-    moments->clear();
-    for (const Parameter& p : s.params)
-      moments->push_back(Tensor::empty(p.value.shape(), DType::f32, p.value.device()));
-    // Each rank's shard into its place in the flat buffer, then every shard to every rank.
-    int64_t at = 0;
-    for (const Tensor& t : *moments) {
-      const int64_t from = std::max(shard_.begin, at), to = std::min(shard_.end, at + t.numel());
-      if (from < to)
-        t.view({-1}).slice(from - at, to - at).copy_from(
-            mine.slice(from - shard_.begin, to - shard_.begin));
-      at += t.numel();
+  const std::vector<ParamCast> casts = s.model->next_casts();
+  OCTET_CHECK(casts.size() == s.params.size(), "ZeroOptimizer::step: ", casts.size(),
+              " weight-cast slots for ", s.params.size(), " parameters");
+  std::vector<ops::AdamWTensor> mine;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    OCTET_CHECK(!master_apart_[i] || writes_cast(casts[i]), "ZeRO-1: the master of ",
+                s.params[i].name, " is kept by rank ", owners_[i],
+                " only, but this step writes no "
+                "cast of it for the other ranks' forward (a run keeps one precision)");
+    if (!owns(i)) continue;
+    const Parameter& p = s.params[i];
+    mine.push_back(
+        {p.value, p.grad, s.adam_m[i], s.adam_v[i], decay_[i], casts[i].cast, casts[i].bf16_copy});
+  }
+  // A rank that owns nothing (more ranks than tensors) updates nothing but still takes part.
+  if (!mine.empty()) ops::adamw_step(mine.data(), static_cast<int>(mine.size()), norm_sq, args);
+  for (int root = 0; root < comm_->size(); ++root) {
+    std::vector<Tensor> sent;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      if (owners_[i] != root) continue;
+      if (!master_apart_[i]) sent.push_back(s.params[i].value);
+      append_cast_outputs(casts[i], sent);
     }
-    comm_->all_gather(*moments);
+    comm_->broadcast(sent, root);
+  }
+  s.model->on_weights_updated(nn::PreparedCast::written);
+  // From now on these weights' casts come from their owners: the other ranks free the masters.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (master_apart_[i] || layers_[i] == nullptr || !writes_cast(casts[i])) continue;
+    master_apart_[i] = true;
+    if (owns(i)) continue;
+    layers_[i]->release_master_weight();
+    s.params[i].value = Tensor();
   }
 }
 
-void ZeroOptimizer::release_moments(TrainState& s) {
+void ZeroOptimizer::gather(TrainState& s) {
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const Tensor& like = s.params[i].grad;
+    for (Tensor* t : {&s.params[i].value, &s.adam_m[i], &s.adam_v[i]})
+      if (!t->defined()) *t = Tensor::empty(like.shape(), DType::f32, like.device());
+  }
+  for (int root = 0; root < comm_->size(); ++root) {
+    std::vector<Tensor> sent;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      if (owners_[i] != root) continue;
+      if (master_apart_[i]) sent.push_back(s.params[i].value);
+      sent.push_back(s.adam_m[i]);
+      sent.push_back(s.adam_v[i]);
+    }
+    comm_->broadcast(sent, root);
+  }
+}
+
+void ZeroOptimizer::release(TrainState& s) {
   // Undefined tensors: checkpoint_tensors(s) refuses them (checkpoint.cc), so a save that forgot
-  // gather_moments() fails instead of writing partial moments.
-  for (Tensor& t : s.adam_m) t = Tensor();
-  for (Tensor& t : s.adam_v) t = Tensor();
+  // gather() fails instead of writing another rank's stale or missing values.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (owns(i)) continue;
+    s.adam_m[i] = Tensor();
+    s.adam_v[i] = Tensor();
+    if (master_apart_[i]) s.params[i].value = Tensor();
+  }
+}
+
+std::vector<Fp8LayerStats> ZeroOptimizer::share_weight_stats(
+    const TrainState& s, std::vector<Fp8LayerStats> stats) const {
+  std::map<std::string, size_t> param_index;
+  for (size_t i = 0; i < s.params.size(); ++i) param_index[s.params[i].name] = i;
+  // Each weight's statistics from its owner alone (where its master is), zeros from the others.
+  Tensor packed = Tensor::zeros({static_cast<int64_t>(stats.size()) * kStatFields}, DType::f32);
+  for (size_t m = 0; m < stats.size(); ++m) {
+    const auto it = param_index.find(stats[m].name + ".weight");
+    OCTET_CHECK(it != param_index.end(), "ZeroOptimizer: no parameter ", stats[m].name,
+                ".weight for the FP8 module's statistics");
+    if (owns(it->second)) pack_stats(stats[m].weight, packed.data<float>() + m * kStatFields);
+  }
+  comm_->all_reduce(std::span(&packed, 1), dist::ReduceOp::sum);
+  for (size_t m = 0; m < stats.size(); ++m)
+    stats[m].weight = unpack_stats(packed.data<float>() + m * kStatFields);
+  return stats;
 }
 
 int64_t ZeroOptimizer::moment_bytes() const {
-  return static_cast<int64_t>(m_.nbytes() + v_.nbytes());
+  int64_t bytes = 0;
+  for (size_t i = 0; i < owners_.size(); ++i)
+    if (owns(i)) bytes += 8 * numels_[i];  // m and v, f32
+  return bytes;
+}
+
+int64_t ZeroOptimizer::master_bytes(const TrainState& s) const {
+  int64_t bytes = 0;
+  for (const Parameter& p : s.params)
+    if (p.value.defined()) bytes += static_cast<int64_t>(p.value.nbytes());
+  return bytes;
+}
+
+std::string ZeroOptimizer::describe(const TrainState& s) const {
+  char line[192];
+  std::snprintf(line, sizeof line,
+                "ZeRO-1 over %d ranks: FP32 masters %.1f MB and AdamW moments %.1f MB on this "
+                "rank, of %.1f and %.1f MB whole",
+                comm_->size(), static_cast<double>(master_bytes(s)) / 1e6,
+                static_cast<double>(moment_bytes()) / 1e6, static_cast<double>(whole_bytes_) / 1e6,
+                static_cast<double>(2 * whole_bytes_) / 1e6);
+  return line;
 }
 
 }  // namespace octet::train

@@ -43,12 +43,15 @@ inline TrainOptions tiny_options(const std::string& precision, int world_size, u
 struct TrainedRun {
   std::vector<double> losses;
   std::vector<std::pair<std::string, Tensor>> tensors;  ///< checkpoint_tensors: all state
-  TrainState state;                                     ///< keeps the tensors' model alive
+  /// FP8 runs: the statistics of the last step (under ZeRO with the weights' shared).
+  std::vector<Fp8LayerStats> fp8_stats;
+  int64_t skipped = 0;  ///< steps skipped (an injected fault)
+  TrainState state;     ///< keeps the tensors' model alive
 };
 
 /// o.steps steps of `o` on `dp`'s world (a single process when dp is inactive), with the AdamW
-/// moments sharded over it when o.zero is 1 (gathered whole again into `tensors`), the model on
-/// `device` (the NCCL tests': the rank's GPU).
+/// moments and masters sharded over it when o.zero is 1 (gathered whole again into `tensors`), the
+/// model on `device` (the NCCL tests': the rank's GPU).
 inline TrainedRun train_run(const TrainOptions& o, DataParallel& dp,
                             const Device& device = Device::cpu()) {
   TrainedRun run;
@@ -59,12 +62,20 @@ inline TrainedRun train_run(const TrainOptions& o, DataParallel& dp,
   if (o.zero == 1)
     run.state.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), run.state, o.weight_decay);
   StepChecks checks(*run.state.model, run.state.params, o);
+  const bool fp8 = precision.kind == Precision::Kind::fp8;
   for (int64_t i = 0; i < o.steps; ++i) {
+    run.state.model->set_collect_fp8_stats(fp8 && i + 1 == o.steps);
     const StepResult r = train_step(run.state, *data, o, checks, dp);
-    EXPECT_FALSE(r.verdict.skipped()) << "step " << i + 1;
+    if (o.inject.empty()) EXPECT_FALSE(r.verdict.skipped()) << "step " << i + 1;
+    run.skipped += r.verdict.skipped() ? 1 : 0;
     run.losses.push_back(r.loss);
   }
-  if (run.state.zero) run.state.zero->gather_moments(run.state);
+  if (fp8) {
+    run.fp8_stats = run.state.model->fp8_layer_stats();
+    if (run.state.zero)
+      run.fp8_stats = run.state.zero->share_weight_stats(run.state, std::move(run.fp8_stats));
+  }
+  if (run.state.zero) run.state.zero->gather(run.state);
   run.tensors = checkpoint_tensors(run.state);
   return run;
 }

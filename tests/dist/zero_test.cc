@@ -1,12 +1,17 @@
 // ZeRO-1 (train/zero.h) against data parallelism without it: the same ranks, the same steps, the
-// AdamW moments sharded. The gradients are all-reduced whole either way and AdamW is elementwise,
-// so losses, weights and moments must be equal bit for bit, not within a tolerance.
+// AdamW moments and the masters sharded. The gradients are all-reduced whole either way and AdamW
+// is elementwise, so losses, weights, moments and FP8 states must be equal bit for bit, not
+// within a tolerance.
+#include "octet/train/zero.h"
+
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "dp_run.h"
-#include "octet/train/zero.h"
 #include "world_seed.h"
 
 namespace octet::train {
@@ -14,74 +19,180 @@ namespace {
 
 class ZeroTraining : public ::testing::TestWithParam<std::string> {};
 
+void expect_same_stats(const nn::CastStats& got, const nn::CastStats& want, const std::string& m) {
+  EXPECT_TRUE(got.measured) << m;
+  EXPECT_EQ(got.measured, want.measured) << m;
+  EXPECT_EQ(std::memcmp(&got.amax, &want.amax, sizeof(float)), 0) << m;
+  EXPECT_EQ(std::memcmp(&got.scale, &want.scale, sizeof(float)), 0) << m;
+  EXPECT_EQ(got.saturated_fraction, want.saturated_fraction) << m;
+  EXPECT_EQ(got.underflow_fraction, want.underflow_fraction) << m;
+}
+
 TEST_P(ZeroTraining, EqualsDataParallelWithoutZeroBitwise) {
   auto comm = dist::from_environment();
   if (comm->size() < 2) GTEST_SKIP() << "needs mpirun -np 2 (or more) ranks";
-  TrainOptions o = tiny_options(GetParam(), comm->size(), testing::world_seed(*comm));
+  // "<precision>+moe": every layer an MoE layer of 4 experts, top 2 (experts may get no rows).
+  // "<precision>+skip": a NaN gradient skips step 3, when the masters are already apart: the
+  // ranks without a master keep the cast they hold, the owner recasts the same bytes.
+  const std::string param = GetParam();
+  TrainOptions o =
+      tiny_options(param.substr(0, param.find('+')), comm->size(), testing::world_seed(*comm));
+  if (param.ends_with("+moe")) {
+    o.experts = 4;
+    o.topk = 2;
+  }
+  if (param.ends_with("+skip")) o.inject = "nan-grad@3/0";
   DataParallel dp(comm);
   const TrainedRun plain = train_run(o, dp);
   o.zero = 1;
   const TrainedRun sharded = train_run(o, dp);
 
+  EXPECT_EQ(plain.skipped, o.inject.empty() ? 0 : 1);
+  EXPECT_EQ(sharded.skipped, plain.skipped);
   ASSERT_EQ(sharded.losses.size(), plain.losses.size());
   for (size_t i = 0; i < plain.losses.size(); ++i)
     EXPECT_EQ(std::memcmp(&sharded.losses[i], &plain.losses[i], sizeof(double)), 0)
         << "step " << i + 1 << ": " << sharded.losses[i] << " vs " << plain.losses[i];
-  // Every tensor a checkpoint holds: parameters, the (gathered) moments, the FP8 state, except
-  // the forward amax histories: without ZeRO the optimizer writes the next step's weight cast and
-  // records its amax at the end of the step; under ZeRO the next forward's recast records the
-  // same amax later, so the histories after the last step differ in that pending entry (the
-  // losses above, which every scale feeds, are bitwise equal).
+  // Every tensor a checkpoint holds: parameters and moments (gathered from their owners) and the
+  // FP8 state, amax histories included: the owner writes a weight's next cast and records its
+  // amax with the update, as the optimizer does without ZeRO, and sends both.
   ASSERT_EQ(sharded.tensors.size(), plain.tensors.size());
   for (size_t i = 0; i < plain.tensors.size(); ++i) {
     const auto& [name, want] = plain.tensors[i];
     ASSERT_EQ(sharded.tensors[i].first, name);
-    if (name.ends_with(".fwd.amax_history")) continue;
     EXPECT_EQ(testing::to_bytes(sharded.tensors[i].second), testing::to_bytes(want)) << name;
   }
   EXPECT_TRUE(same_on_every_rank(*comm, hash_of(sharded.tensors, false)))
       << "weights or moments differ between ranks";
+  EXPECT_TRUE(same_on_every_rank(*comm, hash_of(sharded.tensors, true)))
+      << "FP8 states differ between ranks";
+  // Each weight's cast statistics, measured on the rank that keeps its master, reach every rank.
+  ASSERT_EQ(sharded.fp8_stats.size(), plain.fp8_stats.size());
+  for (size_t m = 0; m < plain.fp8_stats.size(); ++m)
+    expect_same_stats(sharded.fp8_stats[m].weight, plain.fp8_stats[m].weight,
+                      plain.fp8_stats[m].name);
+}
+
+std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string n = info.param;
+  for (char& c : n)
+    if (c == '-' || c == '+') c = '_';
+  return n;
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, ZeroTraining,
-                         ::testing::Values("bf16", "fp8-delayed", "fp8-current"),
-                         [](const auto& info) {
-                           std::string n = info.param;
-                           for (char& c : n)
-                             if (c == '-') c = '_';
-                           return n;
-                         });
+                         ::testing::Values("bf16", "fp8-delayed", "fp8-current", "bf16+moe",
+                                           "fp8-delayed+moe", "bf16+skip", "fp8-delayed+skip"),
+                         param_name);
 
-TEST(DistZero, EachRankHoldsItsShareOfTheMomentBytes) {
+struct ZeroState {
+  TrainOptions options;
+  std::unique_ptr<TokenSource> data;
+  TrainState state;
+};
+
+/// The tiny model's train state for `precision` with ZeRO-1 over `comm`.
+ZeroState zero_state(const std::shared_ptr<dist::Communicator>& comm, const std::string& precision,
+                     DataParallel& dp) {
+  ZeroState z;
+  z.options = tiny_options(precision, comm->size(), testing::world_seed(*comm));
+  z.options.zero = 1;
+  z.data = make_token_source("builtin", z.options.seed);
+  const ModelConfig config = resolve_model_config(z.options, z.data->vocab_size());
+  z.state = make_train_state(config, Precision::from_name(precision), Device::cpu(), z.options.seed,
+                             false, dp.amax_reducer());
+  return z;
+}
+
+TEST(DistZero, EachRankHoldsTheMomentsOfItsWholeTensors) {
   auto comm = dist::from_environment();
-  const TrainOptions o = tiny_options("bf16", comm->size(), testing::world_seed(*comm));
-  auto data = make_token_source("builtin", o.seed);
-  const ModelConfig config = resolve_model_config(o, data->vocab_size());
-  TrainState s = make_train_state(config, Precision::from_name(o.precision), Device::cpu(), o.seed,
-                                  false);
-  int64_t full_bytes = 0;
-  for (size_t i = 0; i < s.params.size(); ++i)
-    full_bytes += static_cast<int64_t>(s.adam_m[i].nbytes() + s.adam_v[i].nbytes());
-  ZeroOptimizer zero(comm, s, o.weight_decay);
-  for (const Tensor& m : s.adam_m) EXPECT_FALSE(m.defined()) << "the whole moments are released";
-  // Two f32 moments per element of the shard; the shards are ceil(P / N) elements (the last
-  // one shorter), so N ranks together hold the moments exactly once.
-  const int64_t parameters = config.parameter_count();
-  EXPECT_EQ(full_bytes, 8 * parameters);
-  EXPECT_EQ(zero.moment_bytes(), 8 * zero.shard().size());
-  EXPECT_LE(zero.moment_bytes(), 8 * ((parameters + comm->size() - 1) / comm->size()));
-  Tensor total = Tensor::from_vector({static_cast<float>(zero.shard().size())}, {1});
+  DataParallel dp(comm);
+  ZeroState z = zero_state(comm, "bf16", dp);
+  TrainState& s = z.state;
+  int64_t parameters = 0, largest = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    EXPECT_EQ(s.adam_m[i].nbytes() + s.adam_v[i].nbytes(), 8 * s.params[i].value.nbytes() / 4);
+    parameters += s.params[i].value.numel();
+    largest = std::max(largest, s.params[i].value.numel());
+  }
+  ZeroOptimizer zero(comm, s, z.options.weight_decay);
+  int64_t owned = 0;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const bool mine = zero.owner(i) == comm->rank();
+    EXPECT_EQ(s.adam_m[i].defined(), mine) << s.params[i].name;
+    EXPECT_EQ(s.adam_v[i].defined(), mine) << s.params[i].name;
+    if (mine) owned += s.params[i].value.numel();
+  }
+  EXPECT_EQ(zero.moment_bytes(), 8 * owned);
+  // Whole tensors, cut where the equal parts' boundaries fall through their middles: each rank's
+  // share is its part give or take half a tensor at either end.
+  const int64_t part = dist::shard_range(parameters, comm->size(), 0).size();
+  EXPECT_LE(std::abs(owned - dist::shard_range(parameters, comm->size(), comm->rank()).size()),
+            largest)
+      << "part " << part;
+  Tensor total = Tensor::from_vector({static_cast<float>(owned)}, {1});
   comm->all_reduce(std::span(&total, 1), dist::ReduceOp::sum);  // exact: an integer < 2^24
-  EXPECT_EQ(static_cast<int64_t>(testing::to_floats(total)[0]), parameters);
+  EXPECT_EQ(static_cast<int64_t>(testing::to_floats(total)[0]), parameters)
+      << "every tensor has exactly one owner";
   if (comm->rank() == 0)
-    std::printf("ZeRO-1 over %d rank(s): AdamW moments %lld of %lld bytes per rank\n",
-                comm->size(), (long long)zero.moment_bytes(), (long long)full_bytes);
+    std::printf("ZeRO-1 over %d rank(s): AdamW moments %lld of %lld bytes on rank 0\n",
+                comm->size(), (long long)zero.moment_bytes(), (long long)(8 * parameters));
   // A checkpoint asks for whole moments: refused until they are gathered.
-  EXPECT_NE(testing::error_of([&] { checkpoint_tensors(s); }).find("gather them first"),
-            std::string::npos);
-  zero.gather_moments(s);
+  if (comm->size() > 1)
+    EXPECT_NE(testing::error_of([&] { checkpoint_tensors(s); }).find("gather them first"),
+              std::string::npos);
+  zero.gather(s);
   EXPECT_EQ(checkpoint_tensors(s).size(), 3 * s.params.size());
 }
+
+class ZeroMasters : public ::testing::TestWithParam<std::string> {};
+
+// After a step has written the weights' casts, a Linear weight's FP32 master lives on its owner
+// only (bf16, fp8-delayed); under fp8-current, whose casts need the master at each forward, every
+// rank keeps every master. The next steps still train, from the casts the owners send.
+TEST_P(ZeroMasters, AWeightsMasterStaysWithItsOwnerWhereTheStepWritesItsCasts) {
+  auto comm = dist::from_environment();
+  if (comm->size() < 2) GTEST_SKIP() << "needs mpirun -np 2 (or more) ranks";
+  DataParallel dp(comm);
+  ZeroState z = zero_state(comm, GetParam(), dp);
+  TrainState& s = z.state;
+  s.zero = std::make_shared<ZeroOptimizer>(comm, s, z.options.weight_decay);
+  const std::vector<nn::Linear*> layers = s.model->weight_layers();
+  int64_t whole = 0;
+  for (const Parameter& p : s.params) whole += static_cast<int64_t>(p.value.nbytes());
+  EXPECT_EQ(s.zero->master_bytes(s), whole) << "before the first step every rank has every master";
+
+  StepChecks checks(*s.model, s.params, z.options);
+  const bool apart = GetParam() != "fp8-current";
+  int64_t kept = 0, weights = 0;
+  for (int64_t step = 1; step <= 3; ++step) {
+    const StepResult r = train_step(s, *z.data, z.options, checks, dp);
+    ASSERT_FALSE(r.verdict.skipped()) << "step " << step;
+    ASSERT_TRUE(std::isfinite(r.loss)) << "step " << step;
+    kept = weights = 0;
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      const bool gone = apart && layers[i] != nullptr && s.zero->owner(i) != comm->rank();
+      EXPECT_EQ(s.params[i].value.defined(), !gone) << s.params[i].name << ", step " << step;
+      if (layers[i] != nullptr) EXPECT_EQ(layers[i]->weight().defined(), !gone) << s.params[i].name;
+      if (layers[i] != nullptr) weights += static_cast<int64_t>(s.params[i].grad.nbytes());
+      if (!gone) kept += static_cast<int64_t>(s.params[i].grad.nbytes());
+    }
+    EXPECT_EQ(s.zero->master_bytes(s), kept);
+  }
+  if (apart) EXPECT_LT(kept, whole) << "no master was freed";
+  if (comm->rank() == 0)
+    std::printf("%s: FP32 masters on rank 0: %lld of %lld bytes (Linear weights: %lld)\n",
+                GetParam().c_str(), (long long)kept, (long long)whole, (long long)weights);
+  // A checkpoint gathers the masters back, then they are freed again.
+  s.zero->gather(s);
+  EXPECT_EQ(s.zero->master_bytes(s), whole);
+  EXPECT_NO_THROW(checkpoint_tensors(s));
+  s.zero->release(s);
+  EXPECT_EQ(s.zero->master_bytes(s), kept);
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, ZeroMasters,
+                         ::testing::Values("bf16", "fp8-delayed", "fp8-current"), param_name);
 
 }  // namespace
 }  // namespace octet::train

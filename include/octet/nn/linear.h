@@ -183,8 +183,13 @@ class Linear {
   void settle_grad();
   /// The optimizer changed the master weights: the next forward casts them again, unless the
   /// optimizer wrote what prepare_next_cast() prepared (PreparedCast::written), which is then
-  /// adopted. A prepared cast is dropped otherwise.
+  /// adopted. A prepared cast is dropped otherwise; a layer without its master
+  /// (release_master_weight) keeps the cast it holds, the only one it can have.
   void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);
+  /// ZeRO-1 (train/zero.h): frees the FP32 master weight on a rank that does not update it. From
+  /// then on the layer's casts come only as prepare_next_cast() targets that another rank writes;
+  /// a forward in a format the layer holds no cast for throws, and weight() is undefined.
+  void release_master_weight();
 
   /// What the optimizer writes together with the update so that the next forward casts nothing
   /// from the FP32 masters. A null or undefined field is not prepared.
@@ -223,7 +228,8 @@ class Linear {
   int64_t out_features() const { return out_; }
   const Device& device() const { return device_; }
   DType compute_dtype() const { return compute_dtype_; }
-  /// FP32 master weight [out, in] and bias [out] (undefined without bias).
+  /// FP32 master weight [out, in] (undefined after release_master_weight()) and bias [out]
+  /// (undefined without bias).
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }
   /// FP32 gradients, accumulated across backward calls until zero_grad() (after

@@ -153,6 +153,9 @@ class GPT {
   /// bf16 copy, a Linear bias's bf16 copy; empty for everything else); call after the step's
   /// last backward: this step's casts are dropped.
   std::vector<ParamCast> next_casts();
+  /// For each of parameters(), in its order, the nn::Linear whose weight it is (else nullptr):
+  /// a master read only to make that layer's casts, which ZeRO-1 keeps on one rank.
+  std::vector<nn::Linear*> weight_layers();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
   /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_casts().
   void on_weights_updated(nn::PreparedCast prepared = nn::PreparedCast::dropped);

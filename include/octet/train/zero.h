@@ -1,25 +1,35 @@
-// ZeRO-1 for `octet train --zero 1`: the AdamW moments sharded over the data-parallel ranks.
+// ZeRO-1 for `octet train --zero 1`: the AdamW moments and the FP32 master weights sharded over
+// the data-parallel ranks.
 //
-// The parameters, as one flat buffer in parameters() order, are split into equal contiguous
-// shards (dist::shard_range); rank r keeps the moments of shard r only and runs AdamW on it. The
-// gradients are all-reduced whole first (DataParallel::reduce_gradients), not reduce-scattered:
-// the global gradient norm that clipping reads is then computed from the same full gradients in
-// the same order as without ZeRO, and AdamW is elementwise, so every updated element is bitwise
-// what the unsharded step computes. An all-gather then gives every rank every updated parameter,
-// and the next forward recasts its FP8 and bf16 weight copies from them (a cast cannot be written
-// by a step that updates part of a tensor; the recast is bitwise the cast the optimizer writes
-// without ZeRO). Losses, weights and moments therefore equal a run without ZeRO bitwise
-// (tests/dist/zero_test.cc); the FP8 forward amax history records each weight amax at the next
-// forward instead of at the end of the step.
+// Each parameter tensor has one owner. The parameters, as one flat buffer in parameters() order,
+// are cut into equal contiguous parts (dist::shard_range), and a tensor belongs to the rank whose
+// part holds its middle element: whole tensors, so the owner can cast a whole weight (a
+// per-tensor FP8 scale needs the whole tensor's amax), and shares within half a tensor of equal.
 //
-// What is sharded: the moments, 8 bytes per parameter, drop to 8/N. The FP32 parameters stay
-// whole on every rank: they are the model's weights, which the forward reads (norm gains,
-// embeddings, the casts' source); sharding them needs a model that keeps only its low-precision
-// copies, which octet's is not.
+// The owner alone keeps a tensor's moments and runs AdamW on it. The gradients are all-reduced
+// whole first (DataParallel::reduce_gradients), not reduce-scattered: the global gradient norm
+// that clipping reads is then computed from the same full gradients in the same order as without
+// ZeRO, and AdamW is elementwise, so every update is bitwise what the unsharded step computes.
+//
+// The masters. A Linear's weight is read only to make that layer's casts (its FP8 copies, or its
+// bf16 copy), and where the precision lets the optimizer write the next step's casts with the
+// update (nn::Linear::prepare_next_cast: BF16, and FP8 delayed scaling), the owner writes them and
+// sends the casts (one or two bytes an element, with the weight's amax) instead of the master
+// (four). From the first step whose update writes a weight's casts on, the other ranks free that
+// master: optimizer and master memory per rank is then about 12/N bytes a parameter, plus 4 for
+// each one that stays whole everywhere:
+// - the tensors the forward reads in FP32 (embeddings, norm gains, biases, the router), whose
+//   owner sends the updated value itself;
+// - the weights of precisions whose casts depend on data the step does not have (current scaling
+//   casts with the weight's own amax at the forward, block and MXFP8 scales come from the weight's
+//   blocks) or which compute in FP32: every rank recasts from its whole master, as without ZeRO.
+// Losses, weights, moments and FP8 states equal a run without ZeRO bitwise (tests/dist/
+// zero_test.cc). The FP8 statistics of a weight are measured where its master is and shared.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "octet/dist/communicator.h"
@@ -30,31 +40,47 @@ namespace octet::train {
 
 class ZeroOptimizer {
  public:
-  /// Takes this rank's shard of s.adam_m / s.adam_v (zeros, or a resumed checkpoint's moments)
-  /// and releases s's whole moment tensors. Call on every rank after restoring a checkpoint.
+  /// Keeps this rank's tensors' moments in s.adam_m / s.adam_v (zeros, or a resumed checkpoint's)
+  /// and releases the others. Call on every rank after restoring a checkpoint.
   ZeroOptimizer(std::shared_ptr<dist::Communicator> comm, TrainState& s, double weight_decay);
 
-  /// AdamW on this rank's shard of the parameters (every tensor that overlaps it, clipped by the
-  /// global `norm_sq`), then the all-gather of the updated parameters. Collective.
+  /// AdamW on this rank's tensors (clipped by the global `norm_sq`), writing the next step's
+  /// casts where the model offers them, then each update sent from its owner to every rank: the
+  /// value, or the casts of a master only its owner keeps. Leaves the model on the new weights
+  /// (GPT::on_weights_updated). Collective.
   void step(TrainState& s, const Tensor& norm_sq, const ops::AdamWArgs& args);
 
-  /// Fills s.adam_m / s.adam_v with whole moments gathered from every rank (collective), so
-  /// checkpoint_tensors(s) is what a run without ZeRO saves; release_moments() frees them again.
-  void gather_moments(TrainState& s);
-  void release_moments(TrainState& s);
+  /// Fills s.params' values and s.adam_m / s.adam_v with whole tensors gathered from their owners
+  /// (collective), so checkpoint_tensors(s) is what a run without ZeRO saves; release() frees the
+  /// other ranks' again.
+  void gather(TrainState& s);
+  void release(TrainState& s);
 
-  /// The bytes of optimizer state (the moments) this rank holds.
+  /// FP8 statistics (GPT::fp8_layer_stats) with every weight's measured on the rank that keeps its
+  /// master: the others' have none. Collective: every rank passes its own.
+  std::vector<Fp8LayerStats> share_weight_stats(const TrainState& s,
+                                                std::vector<Fp8LayerStats> stats) const;
+
+  /// The rank that updates parameter i (s.params order).
+  int owner(size_t i) const { return owners_[i]; }
+  /// Bytes of AdamW moments this rank holds.
   int64_t moment_bytes() const;
-  /// This rank's part of the flat parameter buffer.
-  dist::ShardRange shard() const { return shard_; }
+  /// Bytes of FP32 parameter values this rank holds now (its masters and the whole ones).
+  int64_t master_bytes(const TrainState& s) const;
+  /// "ZeRO-1 over 2 ranks: FP32 masters 3.3 GB and AdamW moments 6.2 GB on this rank, of 6.2 and
+  /// 12.5 GB whole"
+  std::string describe(const TrainState& s) const;
 
  private:
+  bool owns(size_t i) const { return owners_[i] == comm_->rank(); }
+
   std::shared_ptr<dist::Communicator> comm_;
-  dist::ShardRange shard_;
-  Tensor m_, v_;  ///< f32[shard size] on the parameters' device
-  /// One entry per parameter that overlaps the shard: views of its part of the parameter, the
-  /// gradient and the moments.
-  std::vector<ops::AdamWTensor> pieces_;
+  std::vector<int> owners_;          ///< per parameter
+  std::vector<int64_t> numels_;      ///< per parameter: its elements
+  std::vector<float> decay_;         ///< per parameter: its AdamW weight decay
+  std::vector<bool> master_apart_;   ///< per parameter: only its owner keeps the master
+  std::vector<nn::Linear*> layers_;  ///< per parameter: GPT::weight_layers()
+  int64_t whole_bytes_ = 0;          ///< FP32 bytes of every parameter
 };
 
 }  // namespace octet::train
