@@ -2,7 +2,8 @@
 # Data-parallel scaling: `octet bench train` in one process against `mpirun -np N` at the same
 # tokens per rank (batch x seq each; accum = 1 alone, N under mpirun), the latter with and without
 # ZeRO-1. One JSON line per run into $OUT/dp_bench.jsonl, and $OUT/dp_bench.md: tokens/s of the
-# group, its ratio to one process, rank 0's peak memory and its share of the AdamW moments.
+# group, its ratio to one process, rank 0's peak memory, its AdamW moments, and its masters plus
+# moments against the same ranks without ZeRO (issue 14's ZeRO-1 memory target).
 #   scripts/bench-dp.sh [BUILD_DIR]     (after scripts/gpu-check.sh build, on a machine with N GPUs)
 # RANKS (default: the GPUs nvidia-smi lists, at least 2), MODELS (default "gpt2-350m gpt2-1.5b"),
 # PRECISION (fp8-delayed), DEVICE (cuda; cpu for a smoke run), BATCH (8), SEQ (1024), STEPS (10),
@@ -40,19 +41,25 @@ python3 - "$results" >"$OUT/dp_bench.md" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 columns = ["model", "ranks", "zero", "tokens/s", "vs one process", "peak GiB (rank 0)",
-           "moments GiB (rank 0)"]
+           "moments GiB (rank 0)", "masters + moments GiB (rank 0)", "vs without ZeRO"]
 print("| " + " | ".join(columns) + " |")
 print("|" + "---|" * len(columns))
-alone = {}
+alone, unsharded = {}, {}
 for r in runs:
     if "error" in r:
-        print(f"| {r['model']} | | | failed: {r['error'][:80]} | | | |")
+        print(f"| {r['model']} |" + " |" * (len(columns) - 2) + f" failed: {r['error'][:80]} |")
         continue
+    kinds = r["peak_by_kind_gib"]
+    held = kinds["weights"] + kinds["optimizer"]  # ZeRO-1's target: masters and moments
     if r["world_size"] == 1:
         alone[r["model"]] = r["tokens_per_s"]
+    elif r["zero"] == 0:
+        unsharded[r["model"]] = held
     base = alone.get(r["model"])
     ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
+    whole = unsharded.get(r["model"])
+    shrink = f"{held / whole:.3f}x" if r["zero"] == 1 and whole else ""
     print(f"| {r['model']} | {r['world_size']} | {r['zero']} | {r['tokens_per_s']:,.0f} | {ratio} "
-          f"| {r['peak_gib']:.2f} | {r['peak_by_kind_gib']['optimizer']:.2f} |")
+          f"| {r['peak_gib']:.2f} | {kinds['optimizer']:.2f} | {held:.2f} | {shrink} |")
 PY
 cat "$OUT/dp_bench.md"
