@@ -41,7 +41,7 @@ python3 - "$results" >"$OUT/dp_bench.md" <<'PY'
 import json, sys
 runs = [json.loads(l) for l in open(sys.argv[1])]
 columns = ["model", "ranks", "zero", "tokens/s", "vs one process", "peak GiB (rank 0)",
-           "moments GiB (rank 0)", "masters + moments GiB (rank 0)", "vs without ZeRO"]
+           "moments GiB (rank 0)", "masters + moments GiB (the rank with most)", "vs without ZeRO"]
 print("| " + " | ".join(columns) + " |")
 print("|" + "---|" * len(columns))
 alone, unsharded = {}, {}
@@ -50,7 +50,7 @@ for r in runs:
         print(f"| {r['model']} |" + " |" * (len(columns) - 2) + f" failed: {r['error'][:80]} |")
         continue
     kinds = r["peak_by_kind_gib"]
-    held = kinds["weights"] + kinds["optimizer"]  # ZeRO-1's target: masters and moments
+    held = r["masters_and_moments_max_gib"]  # ZeRO-1's target: masters and moments per GPU
     if r["world_size"] == 1:
         alone[r["model"]] = r["tokens_per_s"]
     elif r["zero"] == 0:

@@ -602,6 +602,12 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   std::sort(rates.begin(), rates.end());
   const double median = rates[rates.size() / 2];
   if (profile) profiler::set_enabled(false);
+  // The masters and moments of the rank that holds the most (every rank takes part).
+  int64_t held = moment_bytes(s);
+  for (const Parameter& p : s.params)
+    if (p.value.defined()) held += static_cast<int64_t>(p.value.nbytes());
+  Tensor most = Tensor::from_vector({static_cast<float>(held) / (1 << 30)}, {1});
+  dp.communicator()->all_reduce(std::span(&most, 1), dist::ReduceOp::max);
   if (!dp.is_root()) return;
   if (profile) print_profile(profiler::collect(), o.steps, 1000.0 * tokens_per_step / median);
   const auto gib_of = [](auto bytes) { return static_cast<double>(bytes) / (1 << 30); };
@@ -637,7 +643,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           nn::disabled_fusions(),
                           ops::attention_choice_name(ops::attention_choice()),
                           dp.size(),
-                          o.zero};
+                          o.zero,
+                          *most.data<float>()};
   print_train_bench(result);
 }
 

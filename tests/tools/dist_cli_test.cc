@@ -247,6 +247,14 @@ TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
   EXPECT_LT(sharded["peak_by_kind_gib"]["weights"].get<double>(),
             plain["peak_by_kind_gib"]["weights"].get<double>());
   EXPECT_EQ(sharded["peak_by_kind_gib"]["gradients"], plain["peak_by_kind_gib"]["gradients"]);
+  // The rank holding the most masters and moments: at least rank 0's, and less than every rank
+  // held without ZeRO (its masters and moments are rank 0's).
+  const double most = sharded["masters_and_moments_max_gib"].get<double>();
+  EXPECT_GE(most, sharded["peak_by_kind_gib"]["weights"].get<double>() +
+                      sharded["peak_by_kind_gib"]["optimizer"].get<double>() - 1e-4);
+  EXPECT_NEAR(plain["masters_and_moments_max_gib"].get<double>(),
+              plain["peak_by_kind_gib"]["weights"].get<double>() + whole, 2e-4);
+  EXPECT_LT(most, 0.75 * plain["masters_and_moments_max_gib"].get<double>());
 
   const Result alone = run(octet(bench), dir);
   ASSERT_EQ(alone.exit_code, 0) << alone.output;

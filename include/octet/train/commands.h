@@ -59,6 +59,9 @@ struct TrainBenchResult {
   /// rank 0's device), and the ZeRO stage (memory.optimizer: this rank's share of the moments).
   int world_size = 1;
   int64_t zero = 0;
+  /// FP32 masters plus AdamW moments on the rank that holds the most (ZeRO-1 shards both; its
+  /// memory target is per GPU, and the ranks' shares differ by the tensors kept whole).
+  double masters_and_moments_max_gib = 0;
 };
 void print_train_bench(const TrainBenchResult& r);
 
