@@ -408,12 +408,25 @@ std::shared_ptr<Communicator> from_environment(const Device& device) {
   return std::make_shared<SingleProcess>();
 }
 
-Device device_for_this_rank(const std::string& device) {
+std::vector<Device> devices_for_local_rank(const std::string& devices, int local_rank) {
+  // "cuda" names no GPU: each rank of a launch takes the one of its local rank.
+  if (devices == "cuda") return {Device::cuda(local_rank)};
+  std::vector<Device> stages = Device::parse_list(devices);
+  if (stages.size() < 2) return stages;
+  // A split: the list is local rank 0's; rank r's GPUs follow the previous ranks' in order.
+  int span = 0;
+  for (const Device& d : stages)
+    if (d.is_cuda()) span = std::max(span, d.index + 1);
+  for (Device& d : stages)
+    if (d.is_cuda()) d = Device::cuda(d.index + local_rank * span);
+  return stages;
+}
+
+std::vector<Device> devices_for_this_rank(const std::string& devices) {
   const bool several = launcher_world_size() > 1 ||
                        (torchrun_environment() && torchrun_environment()->world_size > 1);
-  // "cuda" names no GPU: each rank of a launch takes the one of its local rank.
-  if (device == "cuda" && several) return Device::cuda(launcher_local_rank());
-  return Device::parse(device);
+  return several ? devices_for_local_rank(devices, launcher_local_rank())
+                 : Device::parse_list(devices);
 }
 
 }  // namespace octet::dist

@@ -318,10 +318,6 @@ RunSetup prepare_run(const TrainOptions& requested) {
   run.devices = Device::parse_list(o.device);
   for (const Device& d : run.devices) check_device_available(d);
   run.device = run.devices.front();
-  OCTET_CHECK(run.devices.size() == 1 || o.zero == 0,
-              "--zero 1 shards the optimizer over "
-              "data-parallel ranks and is not built for a model split over devices (--device ",
-              o.device, ")");
   run.precision = resolve_precision(o);
   run.unfused = nn::parse_fusions(o.unfuse.empty() ? "none" : o.unfuse);
   if (!o.attention.empty())
@@ -367,20 +363,22 @@ int64_t moment_bytes(const TrainState& s) {
 
 /// This process's data-parallel group (one rank alone without a launcher), with the same options
 /// checked on every rank before anything reads them; `placed` becomes the options on this rank's
-/// device, whose kind picks the communicator (NCCL for GPU ranks, MPI for CPU ranks).
+/// devices (dist::devices_for_this_rank), whose kind picks the communicator (NCCL for GPU ranks,
+/// MPI for CPU ranks).
 DataParallel join_ranks(const TrainOptions& options, TrainOptions& placed) {
   placed = options;
   const std::string requested = resolve_defaults(options).device;
-  const std::vector<Device> stages = Device::parse_list(requested);
-  if (stages.size() > 1) {
-    const auto torchrun = dist::torchrun_environment();
-    OCTET_CHECK(dist::launcher_world_size() <= 1 && (!torchrun || torchrun->world_size <= 1),
-                "--device ", requested,
-                " splits the model over several devices in one process; "
-                "data parallelism over such splits is not built yet: under a launcher (mpirun, "
-                "torchrun's variables) give each rank one device (--device cuda)");
-  }
-  placed.device = stages.size() > 1 ? requested : dist::device_for_this_rank(requested).str();
+  const std::vector<Device> stages = dist::devices_for_this_rank(requested);
+  const bool several_ranks =
+      dist::launcher_world_size() > 1 ||
+      (dist::torchrun_environment() && dist::torchrun_environment()->world_size > 1);
+  if (several_ranks && stages.size() > 1 && stages.front().is_cuda())
+    OCTET_ERROR("--device ", requested,
+                " splits the model over GPUs in each rank; data "
+                "parallelism over such splits runs on CPU ranks only so far (the NCCL "
+                "communicator reduces gradients on one GPU per rank): under a launcher give each "
+                "rank one GPU (--device cuda)");
+  placed.device = device_list_str(stages);
   DataParallel dp(dist::from_environment(stages.front()));
   dp.check_run(options);
   dp.set_grad_reduce_dtype(options.grad_reduce_dtype);

@@ -15,6 +15,7 @@
 #include "dist/ordered_key.h"
 #include "octet/core/error.h"
 #include "octet/dist/bootstrap.h"
+#include "octet/dist/communicator.h"
 #include "octet/dist/watchdog.h"
 #include "test_util.h"
 
@@ -142,6 +143,19 @@ TEST(DistBootstrap, TorchrunVariablesAreReadAndCheckedWhenWorldSizeIsSet) {
     else
       unsetenv(names[i]);
   }
+}
+
+TEST(DistDevices, ALaunchedRanksListFollowsTheLowerLocalRanksGpus) {
+  const auto devices = [](const char* list, int local_rank) {
+    return device_list_str(devices_for_local_rank(list, local_rank));
+  };
+  EXPECT_EQ(devices("cuda", 3), "cuda:3");  // plain cuda: the local rank's GPU
+  EXPECT_EQ(devices("cuda:0,1", 0), "cuda:0,cuda:1");
+  EXPECT_EQ(devices("cuda:0,1", 1), "cuda:2,cuda:3");
+  EXPECT_EQ(devices("cuda:0,0", 1), "cuda:1,cuda:1");  // stages sharing a GPU share the next
+  EXPECT_EQ(devices("cuda:0,2", 1), "cuda:3,cuda:5");  // past the list's largest index
+  EXPECT_EQ(devices("cpu,cpu", 1), "cpu,cpu");
+  EXPECT_EQ(devices("cuda:5", 1), "cuda:5");  // one named device is taken as named
 }
 
 TEST(DistOrderedKey, KeysOrderLikeTheFloatsWithNaNOnTopAndRoundTrip) {

@@ -91,6 +91,51 @@ TEST(DistCli, TwoRanksTrainLikeOneProcessWithTheSameAccum) {
   expect_losses_near(dir / "dp" / "metrics.jsonl", dir / "alone" / "metrics.jsonl", 3, 1, 1e-5);
 }
 
+/// kTiny with `from` replaced by `to`.
+std::string tiny_with(const std::string& from, const std::string& to) {
+  std::string args = kTiny;
+  return args.replace(args.find(from), from.size(), to);
+}
+
+TEST(DistCli, RanksThatEachSplitTheModelTrainBitwiseLikeUnsplitRanksWithAndWithoutZero) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const std::string args =
+      tiny_with("--layers 1", "--layers 2") + " --precision fp8-delayed --accum 2";
+  const std::string split = tiny_with("--device cpu --model tiny --layers 1",
+                                      "--device cpu,cpu --model tiny --layers 2") +
+                            " --precision fp8-delayed --accum 2";
+  ASSERT_EQ(run(on_two_ranks(args + " --out whole"), dir).exit_code, 0);
+  // Each rank's model in two stages (both on its CPU): the same copies as on two GPUs.
+  const Result halves = run(on_two_ranks(split + " --out split"), dir);
+  ASSERT_EQ(halves.exit_code, 0) << halves.output;
+  EXPECT_THAT(halves.output, HasSubstr("split into 2 stages"));
+  EXPECT_THAT(halves.output, HasSubstr("data parallel: world size 2"));
+  testing::expect_same_tensors(dir / "whole" / "checkpoint-000003.safetensors",
+                               dir / "split" / "checkpoint-000003.safetensors");
+  const Result zero = run(on_two_ranks(split + " --zero 1 --out zero"), dir);
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  testing::expect_same_tensors(dir / "whole" / "checkpoint-000003.safetensors",
+                               dir / "zero" / "checkpoint-000003.safetensors");
+}
+
+TEST(DistCli, RanksThatWouldSplitOverGpusAreRefusedOnEveryRank) {
+  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
+  const fs::path dir = testing::scratch_dir();
+  const Result r = run(on_two_ranks(tiny_with("--device cpu --model tiny --layers 1",
+                                              "--device cuda:0,1 --model tiny --layers 2") +
+                                    " --accum 2 --out x"),
+                       dir);
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
+  EXPECT_EQ(count(r.output,
+                  "octet: error: --device cuda:0,1 splits the model over GPUs in each "
+                  "rank; data parallelism over such splits runs on CPU ranks only"),
+            2u)
+      << r.output;
+  EXPECT_FALSE(fs::exists(dir / "x" / "metrics.jsonl")) << "nothing trained";
+}
+
 TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "octet/core/error.h"
 #include "octet/core/tensor.h"
@@ -109,9 +110,14 @@ int launcher_world_size();
 std::shared_ptr<Communicator> from_environment();
 std::shared_ptr<Communicator> from_environment(const Device& device);
 
-/// The device `device` ("cpu", "cuda", "cuda:N") names for this rank: plain "cuda" in a launch of
-/// several ranks is the GPU of this rank's local rank (bootstrap.h: launcher_local_rank()).
-Device device_for_this_rank(const std::string& device);
+/// The devices `devices` ("cpu", "cuda", "cuda:N", or a list: a model split over them) name for
+/// this rank. In a launch of several ranks plain "cuda" is the GPU of this rank's local rank
+/// (bootstrap.h: launcher_local_rank()), and a list is local rank 0's: rank r adds r x (the
+/// list's largest GPU index + 1) to each GPU index, so `cuda:0,1` puts rank 0 on GPUs 0 and 1
+/// and rank 1 on 2 and 3 (CPU entries stay). One device is taken as named.
+std::vector<Device> devices_for_this_rank(const std::string& devices);
+/// The same for a given local rank, as in a launch of several ranks.
+std::vector<Device> devices_for_local_rank(const std::string& devices, int local_rank);
 
 /// Ends MPI if this process started it: `clean` calls MPI_Finalize (every rank must reach it);
 /// otherwise MPI_Abort ends every rank (one rank failed alone: the others may wait in a
