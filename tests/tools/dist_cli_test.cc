@@ -97,6 +97,16 @@ std::string tiny_with(const std::string& from, const std::string& to) {
   return args.replace(args.find(from), from.size(), to);
 }
 
+/// The launch failed on both ranks with `message` on one line each, hung on none, and trained
+/// nothing into `out`.
+void expect_refused_on_both_ranks(const Result& r, const std::string& message,
+                                  const fs::path& out) {
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
+  EXPECT_EQ(count(r.output, "octet: error: " + message), 2u) << r.output;
+  EXPECT_FALSE(fs::exists(out / "metrics.jsonl")) << "nothing trained";
+}
+
 TEST(DistCli, RanksThatEachSplitTheModelTrainBitwiseLikeUnsplitRanksWithAndWithoutZero) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();
@@ -126,14 +136,10 @@ TEST(DistCli, RanksThatWouldSplitOverGpusAreRefusedOnEveryRank) {
                                               "--device cuda:0,1 --model tiny --layers 2") +
                                     " --accum 2 --out x"),
                        dir);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output,
-                  "octet: error: --device cuda:0,1 splits the model over GPUs in each "
-                  "rank; data parallelism over such splits runs on CPU ranks only"),
-            2u)
-      << r.output;
-  EXPECT_FALSE(fs::exists(dir / "x" / "metrics.jsonl")) << "nothing trained";
+  expect_refused_on_both_ranks(r,
+                               "--device cuda:0,1 splits the model over GPUs in each rank; data "
+                               "parallelism over such splits runs on CPU ranks only",
+                               dir / "x");
 }
 
 TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
@@ -236,27 +242,18 @@ TEST(DistCli, MismatchedOptionsFailOnEveryRankWithoutHanging) {
   const Result r = run(std::string(kMpirun) + " -np 1 " + octet(args) + " : -np 1 " +
                            octet(args + " --grad-clip 0.5"),
                        dir);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output,
-                  "octet: error: the 2 ranks were not given the same options (rank 1's "
-                  "differ from rank 0's)"),
-            2u)
-      << r.output;
-  EXPECT_FALSE(fs::exists(dir / "x" / "metrics.jsonl")) << "nothing trained";
+  expect_refused_on_both_ranks(
+      r, "the 2 ranks were not given the same options (rank 1's differ from rank 0's)", dir / "x");
 }
 
 TEST(DistCli, AnAccumTheWorldSizeDoesNotDivideFailsOnEveryRank) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();
   const Result r = run(on_two_ranks(std::string(kTiny) + " --accum 3 --out x"), dir);
-  EXPECT_NE(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.exit_code, 124) << "timed out: a rank hung\n" << r.output;
-  EXPECT_EQ(count(r.output,
-                  "octet: error: --accum 3 counts the microbatches of a step over all 2 "
-                  "ranks, so it must be a multiple of the world size 2"),
-            2u)
-      << r.output;
+  expect_refused_on_both_ranks(r,
+                               "--accum 3 counts the microbatches of a step over all 2 ranks, so "
+                               "it must be a multiple of the world size 2",
+                               dir / "x");
 }
 
 TEST(DistCli, BenchTrainOnTwoRanksReportsTheGroupOnceWithItsZeroShare) {
