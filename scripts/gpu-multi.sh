@@ -9,7 +9,9 @@
 #   2. octet_dist_tests under `mpirun -np N`, one GPU a rank (NCCL collectives against the CPU
 #      reference, bucketed data-parallel training bitwise the single reduction);
 #   3. scripts/bench-dp.sh: one process against N, with and without ZeRO-1 (350M and 1.5B FP8);
-#   4. the model split over cuda:0,1 against cuda:0 alone (`octet bench train`, 350M and 1.5B FP8).
+#   4. the model split over cuda:0,1 against cuda:0 alone (`octet bench train`, 350M and 1.5B FP8);
+#   5. 2 ranks each splitting the model (cuda:0,1 per rank on 4 GPUs, cuda:0,0 on 2) against 2
+#      unsplit ranks: bitwise the same checkpoint.
 # Writes $OUT/multi.log and $OUT/multi-summary.txt (also printed); exits 1 when a part failed.
 #   scripts/gpu-multi.sh [BUILD_DIR]
 # MULTI_FILTER replaces part 1's gtest filter; DIST_TIMEOUT (300) and DP_TIMEOUT (420) bound
@@ -79,6 +81,40 @@ if [[ "${BENCH_SPLIT:-1}" != 0 && "${DEVICE:-cuda}" != cpu ]]; then
       echo "  $model --device $devices: ${line:-failed (multi.log)}" >>"$summary"
     done
   done
+fi
+if [[ "${DEVICE:-cuda}" != cpu ]]; then
+  # 5. Data parallelism over split models: 2 ranks, each splitting its model in two stages (on 4
+  # GPUs over two GPUs each, cuda:0,1 and cuda:2,3; on 2 GPUs both stages on the rank's GPU),
+  # against 2 unsplit ranks: the checkpoints' tensors must be the same bytes.
+  stages=$( ((gpus >= 4)) && echo cuda:0,1 || echo cuda:0,0)
+  two=("${mpi[@]}")
+  two[2]=2  # mpirun -np 2
+  dp_split() {  # dp_split OUT_NAME DEVICE
+    timeout 300 "${two[@]}" "$BUILD_DIR/octet" train --device "$2" \
+      --model gpt2-124m --layers 4 --precision fp8-delayed --batch 4 --seq 256 --accum 2 \
+      --steps 6 --out "$OUT/dp-split/$1" >>"$log" 2>&1
+  }
+  if dp_split whole cuda && dp_split split "$stages" &&
+    python3 - "$OUT/dp-split/whole/checkpoint-000006.safetensors" \
+      "$OUT/dp-split/split/checkpoint-000006.safetensors" >>"$log" 2>&1 <<'PY'
+import json, struct, sys
+def tensors(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    return {k: data[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]]
+            for k, v in header.items() if k != "__metadata__"}
+a, b = tensors(sys.argv[1]), tensors(sys.argv[2])
+differ = [k for k in a if a[k] != b.get(k)]
+print(f"{len(a)} tensors, {len(differ)} differ: {differ[:5]}")
+sys.exit(1 if differ or a.keys() != b.keys() else 0)
+PY
+  then
+    echo "data parallelism over split models (2 ranks x --device $stages): bitwise 2 unsplit ranks" >>"$summary"
+  else
+    echo "data parallelism over split models (2 ranks x --device $stages): FAILED (multi.log)" >>"$summary"
+    status=1
+  fi
 fi
 echo "result: $( ((status == 0)) && echo OK || echo FAILED)" >>"$summary"
 cat "$summary"

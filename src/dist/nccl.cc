@@ -228,9 +228,7 @@ class NcclCommunicator final : public Communicator {
     if (capacity < 0) capacity = total;
     in_place_ = tensors.size() == 1 && tensors[0].device() == device_ && capacity == total;
     if (in_place_) return tensors[0].raw_data();
-    for (const Tensor& t : tensors)
-      OCTET_CHECK(t.device().is_cpu() || t.device() == device_, "the NCCL communicator on ",
-                  device_, " takes tensors on it or on the CPU, got ", t.describe());
+    order_after_other_gpus(tensors);
     reserve(static_cast<size_t>(capacity) * element);
     size_t at = 0;
     for (const Tensor& t : tensors) {
@@ -242,16 +240,34 @@ class NcclCommunicator final : public Communicator {
   }
   void* pack_bytes(std::span<const Tensor> tensors, int64_t bytes) {
     in_place_ = false;
+    order_after_other_gpus(tensors);
     reserve(static_cast<size_t>(bytes));
     size_t at = 0;
     for (const Tensor& t : tensors) {
-      OCTET_CHECK(t.device().is_cpu() || t.device() == device_, "the NCCL communicator on ",
-                  device_, " takes tensors on it or on the CPU, got ", t.describe());
       check_cuda(cudaMemcpyAsync(staging() + at, t.raw_data(), t.nbytes(), cudaMemcpyDefault,
                                  stream_));
       at += t.nbytes();
     }
     return staging();
+  }
+
+  /// Tensors may also lie on the CPU or on another GPU of this process (a model split over GPUs):
+  /// the staging copies are peer copies on this communicator's stream, which first waits for
+  /// the work each other GPU's stream has queued (the tensors' producers). The copies back need
+  /// no such order: every collective that unpacks waits for its stream on the host before it
+  /// returns.
+  void order_after_other_gpus(std::span<const Tensor> tensors) {
+    std::vector<int> waited;
+    for (const Tensor& t : tensors) {
+      const Device d = t.device();
+      if (!d.is_cuda() || d == device_ ||
+          std::find(waited.begin(), waited.end(), d.index) != waited.end())
+        continue;
+      waited.push_back(d.index);
+      const cudaEvent_t queued = octet::cuda::record_event(d);
+      check_cuda(cudaStreamWaitEvent(stream_, queued, 0));
+      check_cuda(cudaEventDestroy(queued));
+    }
   }
 
   /// Copies elements [begin, end) of the staging buffer back into `tensors`, on the stream.

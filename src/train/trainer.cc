@@ -369,15 +369,6 @@ DataParallel join_ranks(const TrainOptions& options, TrainOptions& placed) {
   placed = options;
   const std::string requested = resolve_defaults(options).device;
   const std::vector<Device> stages = dist::devices_for_this_rank(requested);
-  const bool several_ranks =
-      dist::launcher_world_size() > 1 ||
-      (dist::torchrun_environment() && dist::torchrun_environment()->world_size > 1);
-  if (several_ranks && stages.size() > 1 && stages.front().is_cuda())
-    OCTET_ERROR("--device ", requested,
-                " splits the model over GPUs in each rank; data "
-                "parallelism over such splits runs on CPU ranks only so far (the NCCL "
-                "communicator reduces gradients on one GPU per rank): under a launcher give each "
-                "rank one GPU (--device cuda)");
   placed.device = device_list_str(stages);
   DataParallel dp(dist::from_environment(stages.front()));
   dp.check_run(options);

@@ -129,19 +129,6 @@ TEST(DistCli, RanksThatEachSplitTheModelTrainBitwiseLikeUnsplitRanksWithAndWitho
                                dir / "zero" / "checkpoint-000003.safetensors");
 }
 
-TEST(DistCli, RanksThatWouldSplitOverGpusAreRefusedOnEveryRank) {
-  if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
-  const fs::path dir = testing::scratch_dir();
-  const Result r = run(on_two_ranks(tiny_with("--device cpu --model tiny --layers 1",
-                                              "--device cuda:0,1 --model tiny --layers 2") +
-                                    " --accum 2 --out x"),
-                       dir);
-  expect_refused_on_both_ranks(r,
-                               "--device cuda:0,1 splits the model over GPUs in each rank; data "
-                               "parallelism over such splits runs on CPU ranks only",
-                               dir / "x");
-}
-
 TEST(DistCli, AResumedRunAndAOneProcessContinuationEqualTheUninterruptedRun) {
   if (!have_mpirun()) GTEST_SKIP() << "needs mpirun and an MPI build";
   const fs::path dir = testing::scratch_dir();
