@@ -246,9 +246,7 @@ const Linear::NextCast& Linear::prepare_next_cast() {
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
   if (key.fp8) {
-    if (state_ == nullptr || key.kind != fp8::RecipeKind::delayed ||
-        key.mode != fp8::ScalingMode::per_tensor || !fusion_enabled(Fusion::optimizer_cast))
-      return next_targets_;
+    if (state_ == nullptr || !optimizer_writes_cast(key)) return next_targets_;
     cast->q = fp8::QuantizedTensor::allocate(
         out_, in_, key.dtype, key.mode, fp8::Usage{.rowwise = true, .columnwise = true}, device_);
     next_fp8_target_ = ops::FusedQuantize{};
@@ -269,6 +267,12 @@ const Linear::NextCast& Linear::prepare_next_cast() {
   }
   next_cast_ = std::move(cast);
   return next_targets_;
+}
+
+bool Linear::optimizer_writes_cast(const WeightCast::Key& key) {
+  if (!key.fp8) return key.dtype == DType::bf16;
+  return key.kind == fp8::RecipeKind::delayed && key.mode == fp8::ScalingMode::per_tensor &&
+         fusion_enabled(Fusion::optimizer_cast);
 }
 
 void Linear::on_weights_updated(PreparedCast prepared) {

@@ -21,6 +21,14 @@ void append_cast_outputs(const ParamCast& cast, std::vector<Tensor>& out) {
   if (cast.bf16_copy.defined()) out.push_back(cast.bf16_copy);
 }
 
+}  // namespace
+
+int64_t ZeroOptimizer::owner_cost(int64_t numel, bool master_apart) {
+  return (master_apart ? 12 : 8) * numel;
+}
+
+namespace {
+
 bool writes_cast(const ParamCast& cast) { return cast.cast != nullptr || cast.bf16_copy.defined(); }
 
 /// The statistics' fields as floats, for a sum over the ranks in which one rank gives them and
@@ -65,18 +73,24 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<dist::Communicator> comm, TrainStat
   layers_ = s.model->weight_layers();
   OCTET_CHECK(layers_.size() == s.params.size(), "ZeroOptimizer: the model has ", layers_.size(),
               " parameters, the train state ", s.params.size());
+  const bool casts_written = s.model->precision().optimizer_writes_weight_casts();
   int64_t total = 0;
-  for (const Parameter& p : s.params) total += p.value.numel();
-  whole_bytes_ = 4 * total;
-  // Equal parts of the flat buffer; a tensor goes to the part that holds its middle element.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    numels_.push_back(s.params[i].value.numel());
+    costs_.push_back(owner_cost(numels_[i], casts_written && layers_[i] != nullptr));
+    total += costs_[i];
+  }
+  whole_bytes_ = 0;
+  for (const int64_t n : numels_) whole_bytes_ += 4 * n;
+  // Equal parts of the tensors' costs laid end to end; a tensor goes to the part that holds the
+  // middle of its cost.
   const int64_t part = dist::shard_range(total, comm_->size(), 0).size();
   int64_t at = 0;
-  for (const Parameter& p : s.params) {
-    const int64_t middle = at + p.value.numel() / 2;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const int64_t middle = at + costs_[i] / 2;
     owners_.push_back(static_cast<int>(std::min<int64_t>(comm_->size() - 1, middle / part)));
-    decay_.push_back(p.weight_decay ? static_cast<float>(weight_decay) : 0.0f);
-    numels_.push_back(p.value.numel());
-    at += p.value.numel();
+    decay_.push_back(s.params[i].weight_decay ? static_cast<float>(weight_decay) : 0.0f);
+    at += costs_[i];
   }
   master_apart_.assign(s.params.size(), false);
   release(s);

@@ -211,6 +211,9 @@ class Linear {
   /// again. This step's cast is dropped at once (its last reader was the backward), so the
   /// optimizer never holds two.
   const NextCast& prepare_next_cast();
+  /// Whether prepare_next_cast() offers the next cast in `key`'s format: FP8 under per-tensor
+  /// delayed scaling (with the optimizer-cast fusion on), or a bf16 copy.
+  static bool optimizer_writes_cast(const WeightCast::Key& key);
   /// GEMM batching: while `queue` is set, forward and backward append their GEMMs to *queue
   /// (after every cast they read is enqueued) instead of running them, and the caller runs the
   /// queue (ops::grouped_gemm) before reading their outputs; nullptr runs them at once again.

@@ -34,6 +34,10 @@ struct Precision {
   std::string name() const;
   /// Activation dtype: f32 for fp32, bf16 otherwise.
   DType activation_dtype() const;
+  /// Whether the optimizer step writes the blocks' Linear weight casts for the next forward
+  /// (nn::Linear::optimizer_writes_cast for this precision's format): bf16, and fp8 under delayed
+  /// scaling.
+  bool optimizer_writes_weight_casts() const;
 };
 
 /// A trainable tensor: FP32 master value and FP32 gradient on its stage's device.

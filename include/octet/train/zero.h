@@ -1,10 +1,12 @@
 // ZeRO-1 for `octet train --zero 1`: the AdamW moments and the FP32 master weights sharded over
 // the data-parallel ranks.
 //
-// Each parameter tensor has one owner. The parameters, as one flat buffer in parameters() order,
-// are cut into equal contiguous parts (dist::shard_range), and a tensor belongs to the rank whose
-// part holds its middle element: whole tensors, so the owner can cast a whole weight (a
-// per-tensor FP8 scale needs the whole tensor's amax), and shares within half a tensor of equal.
+// Each parameter tensor has one owner: whole tensors, so the owner can cast a whole weight (a
+// per-tensor FP8 scale needs the whole tensor's amax). What owning costs a rank is the tensor's
+// moments, and its master where only the owner keeps it (below); laid end to end in
+// parameters() order, these costs are cut into equal contiguous parts (dist::shard_range), and a
+// tensor belongs to the rank whose part holds the middle of its cost, so every rank's share is
+// within half a tensor of equal at either end.
 //
 // The owner alone keeps a tensor's moments and runs AdamW on it. The gradients are all-reduced
 // whole first (DataParallel::reduce_gradients), not reduce-scattered: the global gradient norm
@@ -63,6 +65,9 @@ class ZeroOptimizer {
 
   /// The rank that updates parameter i (s.params order).
   int owner(size_t i) const { return owners_[i]; }
+  /// The bytes owning a tensor of `numel` elements costs its owner beyond what every rank holds:
+  /// its moments (8 a parameter), and its master (4) when only the owner keeps it.
+  static int64_t owner_cost(int64_t numel, bool master_apart);
   /// Bytes of AdamW moments this rank holds.
   int64_t moment_bytes() const;
   /// Bytes of FP32 parameter values this rank holds now (its masters and the whole ones).
@@ -77,6 +82,7 @@ class ZeroOptimizer {
   std::shared_ptr<dist::Communicator> comm_;
   std::vector<int> owners_;          ///< per parameter
   std::vector<int64_t> numels_;      ///< per parameter: its elements
+  std::vector<int64_t> costs_;       ///< per parameter: owner_cost, as the ownership expects
   std::vector<float> decay_;         ///< per parameter: its AdamW weight decay
   std::vector<bool> master_apart_;   ///< per parameter: only its owner keeps the master
   std::vector<nn::Linear*> layers_;  ///< per parameter: GPT::weight_layers()
