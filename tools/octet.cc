@@ -80,8 +80,9 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")
       ->capture_default_str();
   cmd->add_option("--zero", o.zero,
-                  "ZeRO stage under mpirun: 1 shards the AdamW moments over the ranks "
-                  "(bitwise the same results)")
+                  "ZeRO stage under mpirun: 1 shards the AdamW moments and, under bf16 and "
+                  "fp8-delayed, the weights' FP32 masters over the ranks (bitwise the same "
+                  "results)")
       ->capture_default_str();
   cmd->add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
                   "dtype of the gradient all-reduce across ranks: fp32 or bf16 (half the bytes)")
