@@ -185,11 +185,10 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
                                                       const fp8::Recipe* recipe, ForwardMode mode) {
   if (weight_cast_ && weight_cast_->key == key) return weight_cast_;
   OCTET_CHECK(weight_.defined(), "Linear(in=", in_, ", out=", out_,
-              "): its FP32 master weight "
-              "was released (ZeRO-1 keeps it on the rank that updates it) and the layer holds no ",
+              "): its FP32 master weight was released (ZeRO-1 keeps it on the rank that updates "
+              "it) and the layer holds no ",
               key.fp8 ? "FP8 cast for this recipe" : "cast for this compute dtype",
-              "; it computes "
-              "only in the format of the casts the optimizer writes for it");
+              "; it computes only in the format of the casts the optimizer writes for it");
   // Inference leaves the module as it found it: no amax recorded, nothing cached or counted.
   const bool inference = mode == ForwardMode::inference;
   auto cast = std::make_shared<WeightCast>();

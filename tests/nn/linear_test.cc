@@ -386,6 +386,62 @@ TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
   }
 }
 
+// ZeRO-1's rank that does not own a weight: it frees the master and computes from the casts the
+// owner's optimizer wrote, received as bytes; a skipped step (a dropped update) keeps them.
+TEST_P(LinearFp8Test, WithoutItsMasterALayerComputesFromTheCastsWrittenForIt) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t in = 64, out = 48, tokens = 32;
+  const auto [x, dy] = two_microbatches(in, out, tokens, device, seed);
+  Linear owner(in, out, true, device, seed), other(in, out, true, device, seed);
+  AmaxRegistry registry_o, registry_x;
+  run_microbatch(owner, recipe, registry_o, x[0], dy[0]);
+  run_microbatch(other, recipe, registry_x, x[0], dy[0]);
+  const Linear::NextCast sent = owner.prepare_next_cast();
+  const Linear::NextCast received = other.prepare_next_cast();
+  EXPECT_EQ(sent.weight_fp8 != nullptr,
+            Linear::optimizer_writes_cast({.fp8 = true,
+                                           .kind = recipe.kind,
+                                           .dtype = recipe.dtype_for(fp8::TensorRole::weight),
+                                           .mode = recipe.mode_for(fp8::TensorRole::weight),
+                                           .power_of_2 = recipe.power_of_2_scales}));
+  if (sent.weight_fp8 == nullptr) {
+    // This recipe casts from the master at each forward: without it there is nothing to use.
+    other.release_master_weight();
+    other.on_weights_updated();
+    EXPECT_NE(testing::error_of([&] {
+                run_microbatch(other, recipe, registry_x, x[1], dy[1]);
+              }).find("its FP32 master weight was released"),
+              std::string::npos);
+    return;
+  }
+  step_adamw(owner, sent);
+  const fp8::QuantizedTensor& q = *sent.weight_fp8->out;
+  const fp8::QuantizedTensor& mine = *received.weight_fp8->out;
+  for (const auto& [from, to] : {std::pair{&q.data, &mine.data},
+                                 {&q.scale_inv, &mine.scale_inv},
+                                 {&q.data_t, &mine.data_t},
+                                 {&q.scale_inv_t, &mine.scale_inv_t},
+                                 {&sent.weight_fp8->args.amax, &received.weight_fp8->args.amax},
+                                 {&sent.bias_bf16, &received.bias_bf16}})
+    if (from->defined()) Tensor(*to).copy_from(*from);
+  Tensor(other.bias()).copy_from(owner.bias());  // the bias stays whole: its value is sent
+  other.release_master_weight();
+  EXPECT_FALSE(other.weight().defined());
+  other.on_weights_updated(PreparedCast::written);
+  other.zero_grad();
+  other.on_weights_updated(PreparedCast::dropped);  // a skipped step: the cast stays
+  owner.on_weights_updated(PreparedCast::dropped);  // the owner recasts the same bytes
+  Tensor y_o, y_x;
+  const Tensor dx_o = run_microbatch(owner, recipe, registry_o, x[1], dy[1], &y_o);
+  const Tensor dx_x = run_microbatch(other, recipe, registry_x, x[1], dy[1], &y_x);
+  EXPECT_TRUE(testing::bitwise_equal(y_x, y_o)) << "y";
+  EXPECT_TRUE(testing::bitwise_equal(dx_x, dx_o)) << "dx";
+  EXPECT_TRUE(testing::bitwise_equal(other.grad_weight(), owner.grad_weight())) << "dW";
+}
+
 TEST_P(LinearFp8Test, ZeroGradOnNextWriteEqualsZeroingFirst) {
   const auto& [device, recipe] = GetParam();
   OCTET_SKIP_IF_UNAVAILABLE(device);
