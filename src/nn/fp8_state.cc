@@ -113,17 +113,33 @@ void AmaxRegistry::finalize(Pass pass) {
   ++update_count_[p];
   prune();
   std::vector<std::shared_ptr<FP8State>> pending;
-  for (auto& s : states()) {
-    if (s->pending(pass)) pending.push_back(std::move(s));
+  if (reducer_) {
+    // The group agrees on the pass's pending states: a module that ran on some ranks only (an MoE
+    // expert that got no rows on the others) is finalized on every rank, from the MAX of its row
+    // 0, which a rank that did not run it holds as zeros or as the weight amax the (identical)
+    // optimizer step recorded. One reduction, registration order: every registered state's row
+    // 0, then a pending flag per state.
+    const std::vector<std::shared_ptr<FP8State>> registered = states();
+    if (registered.empty()) return;
+    Tensor flags = Tensor::zeros({static_cast<int64_t>(registered.size())}, DType::f32);
+    std::vector<Tensor> rows;
+    rows.reserve(registered.size() + 1);
+    for (size_t k = 0; k < registered.size(); ++k) {
+      rows.push_back(history_row0(registered[k]->groups_[p]));
+      if (registered[k]->pending(pass)) flags.data<float>()[k] = 1.0f;
+    }
+    rows.push_back(flags);
+    reducer_->all_reduce_max(rows);
+    for (size_t k = 0; k < registered.size(); ++k) {
+      if (flags.data<float>()[k] == 0.0f) continue;
+      registered[k]->mark_recorded(pass);
+      pending.push_back(registered[k]);
+    }
+  } else {
+    for (auto& s : states())
+      if (s->pending(pass)) pending.push_back(std::move(s));
   }
   if (pending.empty()) return;
-
-  if (reducer_) {  // one reduction over the group, rows in registration order
-    std::vector<Tensor> rows;
-    rows.reserve(pending.size());
-    for (const auto& s : pending) rows.push_back(history_row0(s->groups_[p]));
-    reducer_->all_reduce_max(rows);
-  }
 
   // One update per (device, margin, algo), states in registration order: ops run on the device
   // of their tensors, so states on different GPUs are never mixed in one call. The update keeps

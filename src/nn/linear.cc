@@ -278,9 +278,7 @@ void Linear::on_weights_updated(PreparedCast prepared) {
   next_targets_ = NextCast{};
   if (prepared == PreparedCast::dropped) {
     next_cast_.reset();
-    // Without the master here only the step that changes it can write a cast (ZeRO-1's owner
-    // does, through prepare_next_cast), so a dropped update (a skipped step) changed nothing.
-    if (weight_.defined()) weight_cast_.reset();
+    if (!keep_cast_) weight_cast_.reset();
     return;
   }
   weight_cast_.reset();
@@ -289,7 +287,10 @@ void Linear::on_weights_updated(PreparedCast prepared) {
   weight_cast_ = std::move(next_cast_);
 }
 
-void Linear::release_master_weight() { weight_ = Tensor(); }
+void Linear::release_master_weight() {
+  weight_ = Tensor();
+  keep_cast_ = true;
+}
 
 Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
   Saved out;

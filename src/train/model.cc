@@ -695,9 +695,10 @@ std::vector<ParamCast> GPT::next_casts() {
   return casts;
 }
 
-std::vector<nn::Linear*> GPT::weight_layers() {
-  std::vector<nn::Linear*> out;
-  for (const Entry& e : impl_->entries()) out.push_back(e.weight_of);
+std::vector<ParamLayer> GPT::param_layers() {
+  std::vector<ParamLayer> out;
+  for (const Entry& e : impl_->entries())
+    out.push_back(e.weight_of != nullptr ? ParamLayer{e.weight_of, true} : ParamLayer{e.bias_of});
   return out;
 }
 

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <map>
 
+#include "octet/ops/quantize.h"
+
 namespace octet::train {
 namespace {
 
@@ -70,14 +72,14 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<dist::Communicator> comm, TrainStat
                   s.adam_v.size() == s.params.size(),
               "ZeroOptimizer: the train state has ", s.params.size(), " parameters and ",
               s.adam_m.size(), " moments");
-  layers_ = s.model->weight_layers();
+  layers_ = s.model->param_layers();
   OCTET_CHECK(layers_.size() == s.params.size(), "ZeroOptimizer: the model has ", layers_.size(),
               " parameters, the train state ", s.params.size());
   const bool casts_written = s.model->precision().optimizer_writes_weight_casts();
   int64_t total = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
     numels_.push_back(s.params[i].value.numel());
-    costs_.push_back(owner_cost(numels_[i], casts_written && layers_[i] != nullptr));
+    costs_.push_back(owner_cost(numels_[i], casts_written && is_weight(i)));
     total += costs_[i];
   }
   whole_bytes_ = 0;
@@ -100,12 +102,13 @@ void ZeroOptimizer::step(TrainState& s, const Tensor& norm_sq, const ops::AdamWA
   const std::vector<ParamCast> casts = s.model->next_casts();
   OCTET_CHECK(casts.size() == s.params.size(), "ZeroOptimizer::step: ", casts.size(),
               " weight-cast slots for ", s.params.size(), " parameters");
+  const std::vector<bool> everywhere = offered_everywhere(casts);
   std::vector<ops::AdamWTensor> mine;
   for (size_t i = 0; i < s.params.size(); ++i) {
-    OCTET_CHECK(!master_apart_[i] || writes_cast(casts[i]), "ZeRO-1: the master of ",
-                s.params[i].name, " is kept by rank ", owners_[i],
-                " only, but this step writes no "
-                "cast of it for the other ranks' forward (a run keeps one precision)");
+    OCTET_CHECK(!master_apart_[i] || everywhere[i], "ZeRO-1: the master of ", s.params[i].name,
+                " is kept by rank ", owners_[i],
+                " only, but this step writes no cast of it on "
+                "every rank (a run keeps one precision)");
     if (!owns(i)) continue;
     const Parameter& p = s.params[i];
     mine.push_back(
@@ -117,20 +120,48 @@ void ZeroOptimizer::step(TrainState& s, const Tensor& norm_sq, const ops::AdamWA
     std::vector<Tensor> sent;
     for (size_t i = 0; i < s.params.size(); ++i) {
       if (owners_[i] != root) continue;
-      if (!master_apart_[i]) sent.push_back(s.params[i].value);
-      append_cast_outputs(casts[i], sent);
+      if (master_apart_[i]) {
+        append_cast_outputs(casts[i], sent);
+      } else {
+        sent.push_back(s.params[i].value);
+      }
     }
     comm_->broadcast(sent, root);
   }
-  s.model->on_weights_updated(nn::PreparedCast::written);
-  // From now on these weights' casts come from their owners: the other ranks free the masters.
+  // A whole master's casts: each rank writes those it prepared itself from the value it just
+  // received, as the owner's AdamW wrote its own with the update (bitwise ops::quantize and
+  // ops::cast), so what each rank prepares stays its own business, as without ZeRO.
   for (size_t i = 0; i < s.params.size(); ++i) {
-    if (master_apart_[i] || layers_[i] == nullptr || !writes_cast(casts[i])) continue;
+    if (owns(i) || master_apart_[i]) continue;
+    const ParamCast& c = casts[i];
+    if (c.cast != nullptr) ops::quantize(s.params[i].value, *c.cast->out, c.cast->args);
+    if (c.bf16_copy.defined()) ops::cast(s.params[i].value, c.bf16_copy);
+  }
+  s.model->on_weights_updated(nn::PreparedCast::written);
+  // From now on these weights' casts come from their owners, which every rank prepared this step:
+  // the other ranks free the masters, and every rank keeps the cast through a skipped step.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (master_apart_[i] || !is_weight(i) || !everywhere[i]) continue;
     master_apart_[i] = true;
+    layers_[i].layer->keep_cast_through_dropped_updates();
     if (owns(i)) continue;
-    layers_[i]->release_master_weight();
+    layers_[i].layer->release_master_weight();
     s.params[i].value = Tensor();
   }
+}
+
+// What a rank prepares depends on what its layers cast before: an MoE expert that got no rows on
+// one rank has no cast there to prepare the next one from. A master goes apart only when every
+// rank prepared its cast, so that every rank receives it.
+std::vector<bool> ZeroOptimizer::offered_everywhere(const std::vector<ParamCast>& casts) const {
+  Tensor offered = Tensor::zeros({static_cast<int64_t>(casts.size())}, DType::f32);
+  for (size_t i = 0; i < casts.size(); ++i)
+    if (writes_cast(casts[i])) offered.data<float>()[i] = 1.0f;
+  comm_->all_reduce(std::span(&offered, 1), dist::ReduceOp::sum);  // exact: small integers
+  std::vector<bool> everywhere(casts.size());
+  for (size_t i = 0; i < casts.size(); ++i)
+    everywhere[i] = offered.data<float>()[i] == static_cast<float>(comm_->size());
+  return everywhere;
 }
 
 void ZeroOptimizer::gather(TrainState& s) {

@@ -205,11 +205,48 @@ TEST(AmaxRegistry, ReducerSeesPendingRowsInRegistrationOrderBeforeTheUpdate) {
   second->mark_recorded(Pass::forward);
   first->mark_recorded(Pass::forward);
   registry.finalize_forward();
-  ASSERT_EQ(reducer->seen.size(), 2u);
+  ASSERT_EQ(reducer->seen.size(), 3u) << "each state's row 0, then the pending flags";
   EXPECT_THAT(reducer->seen[0], ElementsAre(7.0f, 0.0f));
   EXPECT_THAT(reducer->seen[1], ElementsAre(1.0f, 0.0f));
+  EXPECT_THAT(reducer->seen[2], ElementsAre(1.0f, 1.0f));
   EXPECT_EQ(value_of(first->scale(TensorRole::input)), fp8::kE4M3Max / 14.0f);
   EXPECT_EQ(value_of(second->scale(TensorRole::input)), fp8::kE4M3Max / 2.0f);
+}
+
+/// The MAX with one other rank, whose rows (each state's row 0, then the pending flags) are
+/// `other`.
+class TwoRankReducer : public AmaxReducer {
+ public:
+  explicit TwoRankReducer(std::vector<std::vector<float>> other) : other_(std::move(other)) {}
+  void all_reduce_max(std::span<const Tensor> rows) override {
+    ASSERT_EQ(rows.size(), other_.size());
+    for (size_t k = 0; k < rows.size(); ++k) {
+      std::vector<float> v = to_floats(rows[k]);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = std::max(v[i], other_[k][i]);
+      Tensor(rows[k]).copy_from(Tensor::from_vector(v, rows[k].shape()));
+    }
+  }
+
+ private:
+  std::vector<std::vector<float>> other_;
+};
+
+// An MoE expert that got rows on another rank only: this rank recorded nothing for it, but the
+// group finalizes it everywhere from the other rank's amax, so the ranks' states stay equal.
+TEST(AmaxRegistry, AStatePendingOnAnotherRankOnlyIsFinalizedFromItsRows) {
+  auto reducer = std::make_shared<TwoRankReducer>(
+      std::vector<std::vector<float>>{{3.0f, 0.5f}, {0.0f, 0.0f}, {1.0f, 0.0f}});
+  AmaxRegistry registry(reducer);
+  auto ran_elsewhere = std::make_shared<FP8State>(Recipe::delayed(0, kHistoryLen), Device::cpu());
+  auto ran_nowhere = std::make_shared<FP8State>(Recipe::delayed(0, kHistoryLen), Device::cpu());
+  registry.register_state(ran_elsewhere);
+  registry.register_state(ran_nowhere);
+  registry.finalize_forward();  // nothing pending here
+  EXPECT_EQ(ran_elsewhere->forward_updates(), 1);
+  EXPECT_EQ(value_of(ran_elsewhere->scale(TensorRole::input)), fp8::kE4M3Max / 3.0f);
+  EXPECT_EQ(value_of(ran_elsewhere->scale(TensorRole::weight)), fp8::kE4M3Max / 0.5f);
+  EXPECT_EQ(ran_nowhere->forward_updates(), 0) << "pending on no rank: left alone";
+  EXPECT_EQ(value_of(ran_nowhere->scale(TensorRole::input)), 1.0f);
 }
 
 TEST(AmaxRegistry, GroupsStatesByDeviceOneUpdatePerDevice) {

@@ -93,9 +93,10 @@ class FP8State {
 class AmaxReducer {
  public:
   virtual ~AmaxReducer() = default;
-  /// Replaces every element of `amax_rows` (history row 0 of each pending state, f32, possibly
-  /// on several devices) by its MAX over the group. The rows come in registration order, which
-  /// must be the same on every rank: gather them in that order, reduce once, scatter back.
+  /// Replaces every element of `amax_rows` (history row 0 of each registered state, then one
+  /// pending flag per state; f32, possibly on several devices) by its MAX over the group. The
+  /// rows come in registration order, which must be the same on every rank: gather them in that
+  /// order, reduce once, scatter back.
   virtual void all_reduce_max(std::span<const Tensor> amax_rows) = 0;
 };
 

@@ -183,12 +183,17 @@ class Linear {
   void settle_grad();
   /// The optimizer changed the master weights: the next forward casts them again, unless the
   /// optimizer wrote what prepare_next_cast() prepared (PreparedCast::written), which is then
-  /// adopted. A prepared cast is dropped otherwise; a layer without its master
-  /// (release_master_weight) keeps the cast it holds, the only one it can have.
+  /// adopted. A prepared cast is dropped otherwise; a layer that keeps its cast through dropped
+  /// updates (keep_cast_through_dropped_updates) keeps the cast it holds.
   void on_weights_updated(PreparedCast prepared = PreparedCast::dropped);
-  /// ZeRO-1 (train/zero.h): frees the FP32 master weight on a rank that does not update it. From
-  /// then on the layer's casts come only as prepare_next_cast() targets that another rank writes;
-  /// a forward in a format the layer holds no cast for throws, and weight() is undefined.
+  /// ZeRO-1 (train/zero.h): where only one rank keeps the master, every rank must hold the same
+  /// cast, so a dropped update (a skipped step, which changes no weight) leaves the cast in place
+  /// instead of casting again at the next forward.
+  void keep_cast_through_dropped_updates() { keep_cast_ = true; }
+  /// ZeRO-1: frees the FP32 master weight on a rank that does not update it (and keeps the cast
+  /// through dropped updates). From then on the layer's casts come only as prepare_next_cast()
+  /// targets that another rank writes; a forward in a format the layer holds no cast for throws,
+  /// and weight() is undefined.
   void release_master_weight();
 
   /// What the optimizer writes together with the update so that the next forward casts nothing
@@ -302,6 +307,7 @@ class Linear {
   /// the next bias column sums, write instead of adding.
   bool grad_weight_unwritten_ = false;
   CastStats* grad_stats_ = nullptr;  ///< measure_grad_output()
+  bool keep_cast_ = false;           ///< keep_cast_through_dropped_updates()
   std::vector<ops::GemmProblem>* deferred_gemms_ = nullptr;  ///< defer_gemms()
   bool grad_bias_unwritten_ = false;
 };

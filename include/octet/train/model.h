@@ -55,6 +55,12 @@ struct ParamCast {
   Tensor bf16_copy;
 };
 
+/// The nn::Linear a parameter belongs to (GPT::param_layers).
+struct ParamLayer {
+  nn::Linear* layer = nullptr;  ///< none: not a Linear's
+  bool weight = false;          ///< the layer's weight, else its bias
+};
+
 /// One FP8 GEMM module, for statistics and checkpoints. Under fp8 precision the model creates
 /// every module's FP8 state at construction (on the module's device) and registers it, so a
 /// checkpoint can be restored into it before the first step.
@@ -157,9 +163,9 @@ class GPT {
   /// bf16 copy, a Linear bias's bf16 copy; empty for everything else); call after the step's
   /// last backward: this step's casts are dropped.
   std::vector<ParamCast> next_casts();
-  /// For each of parameters(), in its order, the nn::Linear whose weight it is (else nullptr):
-  /// a master read only to make that layer's casts, which ZeRO-1 keeps on one rank.
-  std::vector<nn::Linear*> weight_layers();
+  /// For each of parameters(), in its order, the nn::Linear it belongs to, if any. A Linear's
+  /// weight is a master read only to make that layer's casts, which ZeRO-1 keeps on one rank.
+  std::vector<ParamLayer> param_layers();
   /// The optimizer changed the master weights: FP8/BF16 weight casts are redone next forward,
   /// or, with nn::PreparedCast::written, adopted where the optimizer wrote next_casts().
   void on_weights_updated(nn::PreparedCast prepared = nn::PreparedCast::dropped);

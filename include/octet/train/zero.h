@@ -78,6 +78,10 @@ class ZeroOptimizer {
 
  private:
   bool owns(size_t i) const { return owners_[i] == comm_->rank(); }
+  /// A Linear weight's master, which only its owner may keep.
+  bool is_weight(size_t i) const { return layers_[i].layer != nullptr && layers_[i].weight; }
+  /// Per parameter: whether every rank prepared its next cast (collective; see zero.cc).
+  std::vector<bool> offered_everywhere(const std::vector<ParamCast>& casts) const;
 
   std::shared_ptr<dist::Communicator> comm_;
   std::vector<int> owners_;          ///< per parameter
@@ -85,7 +89,7 @@ class ZeroOptimizer {
   std::vector<int64_t> costs_;       ///< per parameter: owner_cost, as the ownership expects
   std::vector<float> decay_;         ///< per parameter: its AdamW weight decay
   std::vector<bool> master_apart_;   ///< per parameter: only its owner keeps the master
-  std::vector<nn::Linear*> layers_;  ///< per parameter: GPT::weight_layers()
+  std::vector<ParamLayer> layers_;   ///< per parameter: GPT::param_layers()
   int64_t whole_bytes_ = 0;          ///< FP32 bytes of every parameter
 };
 
