@@ -17,16 +17,20 @@
 // bf16 copy), and where the precision lets the optimizer write the next step's casts with the
 // update (nn::Linear::prepare_next_cast: BF16, and FP8 delayed scaling), the owner writes them and
 // sends the casts (one or two bytes an element, with the weight's amax) instead of the master
-// (four). From the first step whose update writes a weight's casts on, the other ranks free that
-// master: optimizer and master memory per rank is then about 12/N bytes a parameter, plus 4 for
-// each one that stays whole everywhere:
+// (four). From the first step in which every rank prepared a weight's casts on (a rank prepares
+// only what its layer cast before: an MoE expert may have had no rows there), the other ranks
+// free that master, and every rank keeps the cast through a skipped step. Optimizer and master
+// memory per rank is then about 12/N bytes a parameter, plus 4 for each one that stays whole
+// everywhere:
 // - the tensors the forward reads in FP32 (embeddings, norm gains, biases, the router), whose
 //   owner sends the updated value itself;
 // - the weights of precisions whose casts depend on data the step does not have (current scaling
 //   casts with the weight's own amax at the forward, block and MXFP8 scales come from the weight's
 //   blocks) or which compute in FP32: every rank recasts from its whole master, as without ZeRO.
-// Losses, weights, moments and FP8 states equal a run without ZeRO bitwise (tests/dist/
-// zero_test.cc). The FP8 statistics of a weight are measured where its master is and shared.
+// The casts of a whole master are each rank's own, written from the value its owner sent, as
+// without ZeRO each rank writes them with its update. Losses, weights, moments and FP8 states
+// equal a run without ZeRO bitwise (tests/dist/zero_test.cc). The FP8 statistics of a weight are
+// measured where its master is and shared.
 #pragma once
 
 #include <cstdint>
