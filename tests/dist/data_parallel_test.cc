@@ -119,10 +119,7 @@ TEST(DistDataParallelSkips, OneRanksNonFiniteAmaxSkipsTheStepOnEveryRank) {
     if (comm->rank() == bad)
       mine.inject = "nan-amax@2:" + std::to_string(bad * kMicrobatchesPerRank);
     DataParallel dp(comm);
-    auto data = make_token_source("builtin", o.seed);
-    const ModelConfig config = resolve_model_config(o, data->vocab_size());
-    TrainState s = make_train_state(config, Precision::from_name(o.precision), Device::cpu(),
-                                    o.seed, false, dp.amax_reducer());
+    auto [data, s] = start_run(o, dp);
     StepChecks checks(*s.model, s.params, mine);
     for (int64_t step = 1; step <= o.steps; ++step) {
       const StepResult r = train_step(s, *data, mine, checks, dp);

@@ -40,6 +40,21 @@ inline TrainOptions tiny_options(const std::string& precision, int world_size, u
   return resolve_defaults(o);
 }
 
+/// The data and the train state of a run of `o` on `dp`'s world, the model on `device`.
+struct RunStart {
+  std::unique_ptr<TokenSource> data;
+  TrainState state;
+};
+inline RunStart start_run(const TrainOptions& o, DataParallel& dp,
+                          const Device& device = Device::cpu()) {
+  RunStart start;
+  start.data = make_token_source("builtin", o.seed);
+  const ModelConfig config = resolve_model_config(o, start.data->vocab_size());
+  start.state = make_train_state(config, Precision::from_name(o.precision), device, o.seed, false,
+                                 dp.amax_reducer());
+  return start;
+}
+
 struct TrainedRun {
   std::vector<double> losses;
   std::vector<std::pair<std::string, Tensor>> tensors;  ///< checkpoint_tensors: all state
@@ -55,10 +70,10 @@ struct TrainedRun {
 inline TrainedRun train_run(const TrainOptions& o, DataParallel& dp,
                             const Device& device = Device::cpu()) {
   TrainedRun run;
-  auto data = make_token_source("builtin", o.seed);
-  const ModelConfig config = resolve_model_config(o, data->vocab_size());
-  const Precision precision = Precision::from_name(o.precision);
-  run.state = make_train_state(config, precision, device, o.seed, false, dp.amax_reducer());
+  RunStart start = start_run(o, dp, device);
+  const std::unique_ptr<TokenSource> data = std::move(start.data);
+  run.state = std::move(start.state);
+  const Precision precision = run.state.model->precision();
   if (o.zero == 1)
     run.state.zero = std::make_shared<ZeroOptimizer>(dp.communicator(), run.state, o.weight_decay);
   StepChecks checks(*run.state.model, run.state.params, o);

@@ -101,10 +101,7 @@ TEST(DistZero, ExpertsThatOnlySomeRanksRanStayBitwiseTheRunWithoutZero) {
   o.accum = comm->size();  // one microbatch of 16 tokens a rank
   DataParallel dp(comm);
   {
-    auto data = make_token_source("builtin", o.seed);
-    const ModelConfig config = resolve_model_config(o, data->vocab_size());
-    TrainState s = make_train_state(config, Precision::from_name(o.precision), Device::cpu(),
-                                    o.seed, false, dp.amax_reducer());
+    auto [data, s] = start_run(o, dp);
     StepChecks checks(*s.model, s.params, o);
     train_step(s, *data, o, checks, dp);
     std::vector<float> ran;  // per (layer, expert): 1 where this rank routed rows to it
@@ -140,10 +137,9 @@ ZeroState zero_state(const std::shared_ptr<dist::Communicator>& comm, const std:
   ZeroState z;
   z.options = tiny_options(precision, comm->size(), testing::world_seed(*comm));
   z.options.zero = 1;
-  z.data = make_token_source("builtin", z.options.seed);
-  const ModelConfig config = resolve_model_config(z.options, z.data->vocab_size());
-  z.state = make_train_state(config, Precision::from_name(precision), Device::cpu(), z.options.seed,
-                             false, dp.amax_reducer());
+  RunStart start = start_run(z.options, dp);
+  z.data = std::move(start.data);
+  z.state = std::move(start.state);
   return z;
 }
 
