@@ -319,12 +319,7 @@ Linear::Saved Linear::start_record(const Saved& saved, ForwardMode mode) {
     state_for(snap.recipe);
     fp8_context->registry->register_state(state_);
   }
-  snap.weight = weight_cast({.fp8 = true,
-                             .kind = snap.recipe.kind,
-                             .dtype = snap.recipe.dtype_for(TensorRole::weight),
-                             .mode = snap.recipe.mode_for(TensorRole::weight),
-                             .power_of_2 = snap.recipe.power_of_2_scales},
-                            &snap.recipe, mode);
+  snap.weight = weight_cast(WeightCast::Key::fp8_weight(snap.recipe), &snap.recipe, mode);
   // The input scale in use, which recompute must see even after updates. Delayed scaling knows it
   // now: the state's own, which updates never overwrite (FP8State::scale). Current scaling
   // computes it from the input (forward_fp8).

@@ -153,6 +153,13 @@ TrainState make_train_state(const ModelConfig& config, const Precision& precisio
   return s;
 }
 
+int64_t master_bytes(const TrainState& s) {
+  int64_t bytes = 0;
+  for (const Parameter& p : s.params)
+    if (p.value.defined()) bytes += static_cast<int64_t>(p.value.nbytes());
+  return bytes;
+}
+
 std::vector<std::pair<std::string, Tensor>> checkpoint_tensors(TrainState& s) {
   std::vector<std::pair<std::string, Tensor>> tensors;
   for (size_t i = 0; i < s.params.size(); ++i) {

@@ -196,12 +196,9 @@ std::string Precision::name() const {
 DType Precision::activation_dtype() const { return kind == Kind::fp32 ? DType::f32 : DType::bf16; }
 
 bool Precision::optimizer_writes_weight_casts() const {
-  if (kind != Kind::fp8) return nn::Linear::optimizer_writes_cast({.dtype = activation_dtype()});
-  return nn::Linear::optimizer_writes_cast({.fp8 = true,
-                                            .kind = recipe.kind,
-                                            .dtype = recipe.dtype_for(fp8::TensorRole::weight),
-                                            .mode = recipe.mode_for(fp8::TensorRole::weight),
-                                            .power_of_2 = recipe.power_of_2_scales});
+  return nn::Linear::optimizer_writes_cast(kind == Kind::fp8
+                                               ? nn::WeightCast::Key::fp8_weight(recipe)
+                                               : nn::WeightCast::Key{.dtype = activation_dtype()});
 }
 
 // ----------------------------------------------------------------------------

@@ -592,9 +592,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   const double median = rates[rates.size() / 2];
   if (profile) profiler::set_enabled(false);
   // The masters and moments of the rank that holds the most (every rank takes part).
-  int64_t held = moment_bytes(s);
-  for (const Parameter& p : s.params)
-    if (p.value.defined()) held += static_cast<int64_t>(p.value.nbytes());
+  const int64_t held = master_bytes(s) + moment_bytes(s);
   Tensor most = Tensor::from_vector({static_cast<float>(held) / (1 << 30)}, {1});
   dp.communicator()->all_reduce(std::span(&most, 1), dist::ReduceOp::max);
   if (!dp.is_root()) return;
@@ -605,11 +603,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
     for (const Tensor& t : tensors) bytes += static_cast<double>(t.nbytes());
     return gib_of(bytes);
   };
-  std::vector<Tensor> values, grads;
-  for (const Parameter& p : s.params) {
-    if (p.value.defined()) values.push_back(p.value);  // under ZeRO-1, the masters kept here
-    grads.push_back(p.grad);
-  }
+  std::vector<Tensor> grads;
+  for (const Parameter& p : s.params) grads.push_back(p.grad);
   TrainBenchResult result{config.preset,
                           precision.name(),
                           device_list_str(devices),
@@ -622,7 +617,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                           median,
                           static_cast<double>(summed_over(devices, device_peak_bytes)) / (1 << 30),
                           loss,
-                          {.weights = gib(values),
+                          {.weights = gib_of(master_bytes(s)),  // under ZeRO-1: kept here
                            .gradients = gib(grads),
                            .optimizer = gib_of(moment_bytes(s)),
                            .weight_casts = gib_of(s.model->weight_cast_bytes()),

@@ -23,14 +23,6 @@ void append_cast_outputs(const ParamCast& cast, std::vector<Tensor>& out) {
   if (cast.bf16_copy.defined()) out.push_back(cast.bf16_copy);
 }
 
-}  // namespace
-
-int64_t ZeroOptimizer::owner_cost(int64_t numel, bool master_apart) {
-  return (master_apart ? 12 : 8) * numel;
-}
-
-namespace {
-
 bool writes_cast(const ParamCast& cast) { return cast.cast != nullptr || cast.bf16_copy.defined(); }
 
 /// The statistics' fields as floats, for a sum over the ranks in which one rank gives them and
@@ -64,6 +56,10 @@ nn::CastStats unpack_stats(const float* in) {
 
 }  // namespace
 
+int64_t ZeroOptimizer::owner_cost(int64_t numel, bool master_apart) {
+  return (master_apart ? 12 : 8) * numel;
+}
+
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<dist::Communicator> comm, TrainState& s,
                              double weight_decay)
     : comm_(std::move(comm)) {
@@ -76,23 +72,22 @@ ZeroOptimizer::ZeroOptimizer(std::shared_ptr<dist::Communicator> comm, TrainStat
   OCTET_CHECK(layers_.size() == s.params.size(), "ZeroOptimizer: the model has ", layers_.size(),
               " parameters, the train state ", s.params.size());
   const bool casts_written = s.model->precision().optimizer_writes_weight_casts();
+  std::vector<int64_t> costs;
   int64_t total = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
     numels_.push_back(s.params[i].value.numel());
-    costs_.push_back(owner_cost(numels_[i], casts_written && is_weight(i)));
-    total += costs_[i];
+    costs.push_back(owner_cost(numels_[i], casts_written && is_weight(i)));
+    total += costs[i];
   }
-  whole_bytes_ = 0;
-  for (const int64_t n : numels_) whole_bytes_ += 4 * n;
   // Equal parts of the tensors' costs laid end to end; a tensor goes to the part that holds the
   // middle of its cost.
   const int64_t part = dist::shard_range(total, comm_->size(), 0).size();
   int64_t at = 0;
   for (size_t i = 0; i < s.params.size(); ++i) {
-    const int64_t middle = at + costs_[i] / 2;
+    const int64_t middle = at + costs[i] / 2;
     owners_.push_back(static_cast<int>(std::min<int64_t>(comm_->size() - 1, middle / part)));
     decay_.push_back(s.params[i].weight_decay ? static_cast<float>(weight_decay) : 0.0f);
-    at += costs_[i];
+    at += costs[i];
   }
   master_apart_.assign(s.params.size(), false);
   release(s);
@@ -107,8 +102,8 @@ void ZeroOptimizer::step(TrainState& s, const Tensor& norm_sq, const ops::AdamWA
   for (size_t i = 0; i < s.params.size(); ++i) {
     OCTET_CHECK(!master_apart_[i] || everywhere[i], "ZeRO-1: the master of ", s.params[i].name,
                 " is kept by rank ", owners_[i],
-                " only, but this step writes no cast of it on "
-                "every rank (a run keeps one precision)");
+                " only, but this step writes no cast of it on every rank (a run keeps one "
+                "precision)");
     if (!owns(i)) continue;
     const Parameter& p = s.params[i];
     mine.push_back(
@@ -218,21 +213,16 @@ int64_t ZeroOptimizer::moment_bytes() const {
   return bytes;
 }
 
-int64_t ZeroOptimizer::master_bytes(const TrainState& s) const {
-  int64_t bytes = 0;
-  for (const Parameter& p : s.params)
-    if (p.value.defined()) bytes += static_cast<int64_t>(p.value.nbytes());
-  return bytes;
-}
-
 std::string ZeroOptimizer::describe(const TrainState& s) const {
+  int64_t whole_bytes = 0;  // every master, f32
+  for (const int64_t n : numels_) whole_bytes += 4 * n;
   char line[192];
   std::snprintf(line, sizeof line,
                 "ZeRO-1 over %d ranks: FP32 masters %.1f MB and AdamW moments %.1f MB on this "
                 "rank, of %.1f and %.1f MB whole",
                 comm_->size(), static_cast<double>(master_bytes(s)) / 1e6,
-                static_cast<double>(moment_bytes()) / 1e6, static_cast<double>(whole_bytes_) / 1e6,
-                static_cast<double>(2 * whole_bytes_) / 1e6);
+                static_cast<double>(moment_bytes()) / 1e6, static_cast<double>(whole_bytes) / 1e6,
+                static_cast<double>(2 * whole_bytes) / 1e6);
   return line;
 }
 

@@ -213,7 +213,7 @@ TEST_P(ZeroMasters, AWeightsMasterStaysWithItsOwnerWhereTheStepWritesItsCasts) {
   const std::vector<ParamLayer> layers = s.model->param_layers();
   int64_t whole = 0;
   for (const Parameter& p : s.params) whole += static_cast<int64_t>(p.value.nbytes());
-  EXPECT_EQ(s.zero->master_bytes(s), whole) << "before the first step every rank has every master";
+  EXPECT_EQ(master_bytes(s), whole) << "before the first step every rank has every master";
 
   StepChecks checks(*s.model, s.params, z.options);
   const bool apart = GetParam() != "fp8-current";
@@ -231,7 +231,7 @@ TEST_P(ZeroMasters, AWeightsMasterStaysWithItsOwnerWhereTheStepWritesItsCasts) {
       if (layers[i].weight) weights += static_cast<int64_t>(s.params[i].grad.nbytes());
       if (!gone) kept += static_cast<int64_t>(s.params[i].grad.nbytes());
     }
-    EXPECT_EQ(s.zero->master_bytes(s), kept);
+    EXPECT_EQ(master_bytes(s), kept);
   }
   if (apart) EXPECT_LT(kept, whole) << "no master was freed";
   if (comm->rank() == 0)
@@ -239,10 +239,10 @@ TEST_P(ZeroMasters, AWeightsMasterStaysWithItsOwnerWhereTheStepWritesItsCasts) {
                 GetParam().c_str(), (long long)kept, (long long)whole, (long long)weights);
   // A checkpoint gathers the masters back, then they are freed again.
   s.zero->gather(s);
-  EXPECT_EQ(s.zero->master_bytes(s), whole);
+  EXPECT_EQ(master_bytes(s), whole);
   EXPECT_NO_THROW(checkpoint_tensors(s));
   s.zero->release(s);
-  EXPECT_EQ(s.zero->master_bytes(s), kept);
+  EXPECT_EQ(master_bytes(s), kept);
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, ZeroMasters,

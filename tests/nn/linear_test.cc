@@ -402,11 +402,7 @@ TEST_P(LinearFp8Test, WithoutItsMasterALayerComputesFromTheCastsWrittenForIt) {
   const Linear::NextCast sent = owner.prepare_next_cast();
   const Linear::NextCast received = other.prepare_next_cast();
   EXPECT_EQ(sent.weight_fp8 != nullptr,
-            Linear::optimizer_writes_cast({.fp8 = true,
-                                           .kind = recipe.kind,
-                                           .dtype = recipe.dtype_for(fp8::TensorRole::weight),
-                                           .mode = recipe.mode_for(fp8::TensorRole::weight),
-                                           .power_of_2 = recipe.power_of_2_scales}));
+            Linear::optimizer_writes_cast(WeightCast::Key::fp8_weight(recipe)));
   if (sent.weight_fp8 == nullptr) {
     // This recipe casts from the master at each forward: without it there is nothing to use.
     other.release_master_weight();

@@ -38,6 +38,14 @@ struct WeightCast {
     fp8::ScalingMode mode = fp8::ScalingMode::per_tensor;
     bool power_of_2 = false;
     friend bool operator==(const Key&, const Key&) = default;
+    /// The key of a weight cast under `recipe`.
+    static Key fp8_weight(const fp8::Recipe& recipe) {
+      return {.fp8 = true,
+              .kind = recipe.kind,
+              .dtype = recipe.dtype_for(fp8::TensorRole::weight),
+              .mode = recipe.mode_for(fp8::TensorRole::weight),
+              .power_of_2 = recipe.power_of_2_scales};
+    }
   };
   Key key;
   fp8::QuantizedTensor q;  ///< FP8: [out, in] row-wise and [in, out] transposed (for dgrad)

@@ -52,6 +52,10 @@ TrainState make_train_state(const ModelConfig& config, const Precision& precisio
 /// "adam_m.<name>", "adam_v.<name>", "fp8.<module>.<fwd|bwd>.<scale|scale_inv|amax_history>").
 std::vector<std::pair<std::string, Tensor>> checkpoint_tensors(TrainState& s);
 
+/// Bytes of FP32 parameter values `s` holds: every master, or under ZeRO-1 (zero.h) the ones this
+/// rank keeps.
+int64_t master_bytes(const TrainState& s);
+
 /// Copies every tensor of `s` from the checkpoint, checking shapes first so a mismatched file
 /// changes nothing.
 void restore_tensors(const SafetensorsFile& file, TrainState& s);

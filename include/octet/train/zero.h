@@ -74,8 +74,6 @@ class ZeroOptimizer {
   static int64_t owner_cost(int64_t numel, bool master_apart);
   /// Bytes of AdamW moments this rank holds.
   int64_t moment_bytes() const;
-  /// Bytes of FP32 parameter values this rank holds now (its masters and the whole ones).
-  int64_t master_bytes(const TrainState& s) const;
   /// "ZeRO-1 over 2 ranks: FP32 masters 3.3 GB and AdamW moments 6.2 GB on this rank, of 6.2 and
   /// 12.5 GB whole"
   std::string describe(const TrainState& s) const;
@@ -90,11 +88,9 @@ class ZeroOptimizer {
   std::shared_ptr<dist::Communicator> comm_;
   std::vector<int> owners_;          ///< per parameter
   std::vector<int64_t> numels_;      ///< per parameter: its elements
-  std::vector<int64_t> costs_;       ///< per parameter: owner_cost, as the ownership expects
   std::vector<float> decay_;         ///< per parameter: its AdamW weight decay
   std::vector<bool> master_apart_;   ///< per parameter: only its owner keeps the master
   std::vector<ParamLayer> layers_;   ///< per parameter: GPT::param_layers()
-  int64_t whole_bytes_ = 0;          ///< FP32 bytes of every parameter
 };
 
 }  // namespace octet::train
