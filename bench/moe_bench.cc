@@ -3,7 +3,9 @@
 // backward (dprob, dfc1, dbias), each against the copy bandwidth for its bytes; and the
 // repeatability check: the library's dprob and a float-atomic reference (bench-only,
 // moe_atomic_reference.cu) run kRepeats times, counting the repeats whose bytes differ from the
-// first. A count of 0 for the reference would mean the shape is too small to show anything.
+// first. A count of 0 for the reference would mean the shape is too small to show anything. And
+// the router's GEMM (router_logits, its backward) at moe-16x2048's training shape, beside the
+// path it replaced (an f32 copy of x and cuBLASLt's f32 GEMMs).
 #include "bench_util.h"
 
 #if OCTET_WITH_CUDA
@@ -15,7 +17,10 @@
 #include "moe_atomic_reference.h"
 #include "octet/fp8/format.h"
 #include "octet/fp8/quantized_tensor.h"
+#include "octet/ops/activation.h"
+#include "octet/ops/gemm.h"
 #include "octet/ops/moe.h"
+#include "octet/ops/quantize.h"
 
 namespace octet::bench {
 namespace {
@@ -190,12 +195,82 @@ void bm_dprob_repeatability(benchmark::State& state) {
   });
 }
 
+/// Tokens of the router benchmarks: moe-16x2048's 32 x 1024 tokens a step.
+constexpr int64_t kRouterTokens = 32 * 1024;
+
+struct Router {
+  Tensor x, weight, logits, dlogits, dx, dweight;
+};
+
+Router router_buffers() {
+  Router r;
+  r.x = random_tensor({kRouterTokens, kHidden}, DType::bf16, 2);
+  r.weight = random_tensor({kExperts, kHidden}, DType::f32, 5);
+  r.logits = Tensor::empty({kRouterTokens, kExperts}, DType::f32, device());
+  r.dlogits = random_tensor({kRouterTokens, kExperts}, DType::f32, 10);
+  r.dx = random_tensor({kRouterTokens, kHidden}, DType::bf16, 9);
+  r.dweight = Tensor::zeros({kExperts, kHidden}, DType::f32, device());
+  return r;
+}
+
+/// The path router_logits replaced: x cast to f32, cuBLASLt's f32 GEMMs, the dx part rounded to
+/// bf16 and added.
+void router_by_f32_gemms(const Router& r, bool backward) {
+  Tensor x32 = Tensor::empty(r.x.shape(), DType::f32, device());
+  ops::cast(r.x, x32);
+  if (!backward) {
+    ops::gemm(ops::GemmOperand::dense(x32), ops::GemmOperand::dense(r.weight, true), r.logits);
+    return;
+  }
+  ops::GemmArgs accumulate;
+  accumulate.beta = 1.0f;
+  ops::gemm(ops::GemmOperand::dense(r.dlogits, true), ops::GemmOperand::dense(x32), r.dweight,
+            accumulate);
+  Tensor dx32 = Tensor::empty(r.x.shape(), DType::f32, device());
+  ops::gemm(ops::GemmOperand::dense(r.dlogits), ops::GemmOperand::dense(r.weight), dx32);
+  Tensor rounded = Tensor::empty(r.x.shape(), DType::bf16, device());
+  ops::cast(dx32, rounded);
+  ops::add(r.dx, rounded, r.dx);
+}
+
+/// `replaced`: time the path router_logits replaced instead. Bytes: x (and dx read and written
+/// in the backward) once; the actual bytes add the weights, dlogits and the tile partials.
+void bm_router(benchmark::State& state, bool backward, bool replaced) {
+  guarded(state, [&] {
+    copy_bandwidth();
+    const Router r = router_buffers();
+    const double seconds = time_loop(state, [&] {
+      if (replaced) {
+        router_by_f32_gemms(r, backward);
+      } else if (backward) {
+        ops::router_logits_backward(r.x, r.weight, r.dlogits, r.dx, r.dweight, true);
+      } else {
+        ops::router_logits(r.x, r.weight, r.logits);
+      }
+    });
+    const double bytes = bytes_of(r.x) + (backward ? 2 * bytes_of(r.dx) : 0.0);
+    const double tiles = static_cast<double>(kRouterTokens / ops::kRouterTileTokens);
+    const double extra = bytes_of(r.weight) + bytes_of(r.logits) +
+                         (backward ? 2 * tiles * bytes_of(r.dweight) : 0.0);
+    report_memory(state, seconds, bytes, bytes + extra);
+    state.SetLabel(std::string(backward ? "dx += dlogits W, dW = dlogits^T x" : "x W^T") +
+                   (replaced ? " by a f32 copy of x and cuBLASLt f32 GEMMs" : ", x read as bf16") +
+                   ", vs D2D copy");
+  });
+}
+
 std::string name(const std::string& op) { return "moe/" + op + "/bf16/" + kShapeName; }
 
 }  // namespace
 
 void register_moe_benchmarks() {
   configure(benchmark::RegisterBenchmark(name("dispatch").c_str(), bm_dispatch));
+  for (bool backward : {false, true})
+    for (bool replaced : {false, true}) {
+      const std::string op = std::string("router_logits") + (backward ? "_backward" : "") +
+                             (replaced ? "/f32_gemms" : "") + "/bf16/32768x2048x16";
+      configure(benchmark::RegisterBenchmark(("moe/" + op).c_str(), bm_router, backward, replaced));
+    }
   configure(benchmark::RegisterBenchmark(name("combine").c_str(), bm_combine));
   configure(benchmark::RegisterBenchmark(name("scaled_activation_cast/swiglu").c_str(),
                                          bm_scaled_activation_cast));

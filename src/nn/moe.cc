@@ -79,13 +79,6 @@ ops::RouterArgs MoE::router_args(float loss_scale) const {
   return args;
 }
 
-Tensor MoE::router_input(const Tensor& x) const {
-  if (x.dtype() == DType::f32) return x;
-  Tensor x32 = Tensor::empty(x.shape(), DType::f32, device_);
-  ops::cast(x, x32);
-  return x32;
-}
-
 Tensor MoE::forward(const Tensor& input, Saved& saved, ForwardMode mode, const Tensor& residual) {
   const Tensor x = input;  // a handle of its own: a recompute passes saved.input, moved below
   OCTET_CHECK(x.defined() && x.ndim() == 2 && x.cols() == dim_ &&
@@ -103,8 +96,7 @@ Tensor MoE::forward(const Tensor& input, Saved& saved, ForwardMode mode, const T
   const int64_t experts = config_.experts;
 
   full.logits = Tensor::empty({tokens, experts}, DType::f32, device_);
-  ops::gemm(ops::GemmOperand::dense(router_input(x)), ops::GemmOperand::dense(router_weight_, true),
-            full.logits);
+  ops::router_logits(x, router_weight_, full.logits);
   full.router = ops::RouterOutputs::allocate(tokens, experts, config_.topk, device_);
   ops::router_forward(full.logits, router_args(), full.router);
   full.plan = ops::MoePlan::allocate(tokens, config_.topk, experts, device_);
@@ -162,18 +154,6 @@ Tensor MoE::forward(const Tensor& input, Saved& saved, ForwardMode mode, const T
   return y;
 }
 
-Tensor MoE::router_backward(const Tensor& dlogits, const Tensor& x) {
-  // dWr [experts, dim] (+)= dlogits^T x, in FP32.
-  ops::GemmArgs wgrad;
-  wgrad.beta = grads_unwritten_ ? 0.0f : 1.0f;
-  ops::gemm(ops::GemmOperand::dense(dlogits, true), ops::GemmOperand::dense(router_input(x)),
-            router_grad_, wgrad);
-  // dx [tokens, dim] = dlogits Wr.
-  Tensor dx = Tensor::empty(x.shape(), DType::f32, device_);
-  ops::gemm(ops::GemmOperand::dense(dlogits), ops::GemmOperand::dense(router_weight_), dx);
-  return dx;
-}
-
 Tensor MoE::backward(const Tensor& dy, Saved& saved, float aux_loss_scale) {
   OCTET_CHECK(saved.input.defined(),
               "nn::MoE::backward needs the Saved of a training forward, got an empty one");
@@ -212,14 +192,9 @@ Tensor MoE::backward(const Tensor& dy, Saved& saved, float aux_loss_scale) {
   last_dprob_ = dprob;
   Tensor dlogits = empty_like(saved.logits);
   ops::router_backward(saved.logits, router_args(aux_loss_scale), saved.router, dprob, dlogits);
-  Tensor dx_router = router_backward(dlogits, x);
+  // dx gains the router's part; router_grad_ is written or accumulated.
+  ops::router_logits_backward(x, router_weight_, dlogits, dx, router_grad_, !grads_unwritten_);
   grads_unwritten_ = false;
-  if (dx.dtype() != DType::f32) {
-    Tensor rounded = empty_like(dx);
-    ops::cast(dx_router, rounded);
-    dx_router = std::move(rounded);
-  }
-  ops::add(dx, dx_router, dx);
   if (shared_) ops::add(dx, shared_->backward(dy, saved.shared), dx);
   saved = Saved();
   return dx;

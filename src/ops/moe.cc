@@ -197,6 +197,47 @@ void router_forward(const Tensor& logits, const RouterArgs& args, const RouterOu
       [&] { OCTET_CUDA_ONLY(cuda::router_forward(logits, args, out)); });
 }
 
+void router_logits(const Tensor& x, const Tensor& weight, const Tensor& logits) {
+  constexpr const char* op = "router_logits";
+  check_float_activation(x, op, "x");
+  OCTET_CHECK(x.ndim() == 2, op, ": x must be [tokens, dim], got ", x.describe());
+  OCTET_CHECK(weight.defined() && weight.ndim() == 2 && weight.numel() > 0, op,
+              ": weight must be a non-empty f32 [experts, ", x.cols(), "], got ",
+              weight.describe());
+  check_tensor(weight, DType::f32, {weight.rows(), x.cols()}, op, "weight");
+  check_tensor(logits, DType::f32, {x.rows(), weight.rows()}, op, "logits");
+  const Device device = common_device({&x, &weight, &logits}, op);
+  const std::string label =
+      op_label(op, dtype_name(x.dtype()), " ", x.rows(), "x", x.cols(), "x", weight.rows());
+  dispatch(
+      device, label.c_str(), [&] { cpu::router_logits(x, weight, logits); },
+      [&] { OCTET_CUDA_ONLY(cuda::router_logits(x, weight, logits)); });
+}
+
+void router_logits_backward(const Tensor& x, const Tensor& weight, const Tensor& dlogits,
+                            const Tensor& dx, const Tensor& dweight, bool accumulate) {
+  constexpr const char* op = "router_logits_backward";
+  check_float_activation(x, op, "x");
+  OCTET_CHECK(x.ndim() == 2, op, ": x must be [tokens, dim], got ", x.describe());
+  OCTET_CHECK(weight.defined() && weight.ndim() == 2 && weight.numel() > 0, op,
+              ": weight must be a non-empty f32 [experts, ", x.cols(), "], got ",
+              weight.describe());
+  const int64_t tokens = x.rows(), dim = x.cols(), experts = weight.rows();
+  check_tensor(weight, DType::f32, {experts, dim}, op, "weight");
+  check_tensor(dlogits, DType::f32, {tokens, experts}, op, "dlogits");
+  check_tensor(dx, x.dtype(), {tokens, dim}, op, "dx");
+  check_tensor(dweight, DType::f32, {experts, dim}, op, "dweight");
+  const Device device = common_device({&x, &weight, &dlogits, &dx, &dweight}, op);
+  const std::string label =
+      op_label(op, dtype_name(x.dtype()), " ", tokens, "x", dim, "x", experts);
+  dispatch(
+      device, label.c_str(),
+      [&] { cpu::router_logits_backward(x, weight, dlogits, dx, dweight, accumulate); },
+      [&] {
+        OCTET_CUDA_ONLY(cuda::router_logits_backward(x, weight, dlogits, dx, dweight, accumulate));
+      });
+}
+
 void router_backward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& saved,
                      const Tensor& dprob, const Tensor& dlogits) {
   constexpr const char* op = "router_backward";

@@ -7,6 +7,9 @@
 #include "octet/ops/moe.h"
 
 namespace octet::ops::cpu {
+void router_logits(const Tensor& x, const Tensor& weight, const Tensor& logits);
+void router_logits_backward(const Tensor& x, const Tensor& weight, const Tensor& dlogits,
+                            const Tensor& dx, const Tensor& dweight, bool accumulate);
 void router_forward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& out);
 void router_backward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& saved,
                      const Tensor& dprob, const Tensor& dlogits);
@@ -28,6 +31,9 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
 }  // namespace octet::ops::cpu
 
 namespace octet::ops::cuda {
+void router_logits(const Tensor& x, const Tensor& weight, const Tensor& logits);
+void router_logits_backward(const Tensor& x, const Tensor& weight, const Tensor& dlogits,
+                            const Tensor& dx, const Tensor& dweight, bool accumulate);
 void router_forward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& out);
 void router_backward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& saved,
                      const Tensor& dprob, const Tensor& dlogits);

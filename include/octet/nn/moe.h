@@ -108,10 +108,6 @@ class MoE {
  private:
   /// The router's settings; the aux and z coefficients multiplied by `loss_scale`.
   ops::RouterArgs router_args(float loss_scale = 1.0f) const;
-  /// x as f32 (x itself when it is f32): the router's GEMM operand.
-  Tensor router_input(const Tensor& x) const;
-  /// The router's gradients from dlogits: accumulates router_grad_, returns its part of dx (f32).
-  Tensor router_backward(const Tensor& dlogits, const Tensor& x);
 
   MoeConfig config_;
   int64_t dim_, ffn_;

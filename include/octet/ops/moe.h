@@ -1,9 +1,11 @@
-// The non-GEMM ops of a mixture-of-experts layer: the router (top-k over softmax or sigmoid scores,
-// load-balancing aux loss, z-loss), the plan that lays routed rows out expert by expert, dispatch
-// and combine, and the prob-scaled expert activation. Every op has one path, deterministic by
-// construction: each reduction runs in one fixed order, with no float atomics (docs/DETERMINISM.md).
+// The ops of a mixture-of-experts layer besides the experts' GEMMs: the router (its logits, top-k
+// over softmax or sigmoid scores, load-balancing aux loss, z-loss), the plan that lays routed rows
+// out expert by expert, dispatch and combine, and the prob-scaled expert activation. Every op has
+// one path, deterministic by construction: each reduction runs in one fixed order, with no float
+// atomics (docs/DETERMINISM.md).
 //
 // A layer runs, per step:
+//   router_logits(x) -> logits;
 //   router_forward(logits) -> expert, prob, counts;  moe_plan(expert) -> offsets, row maps;
 //   moe_dispatch(x) -> permuted rows;  FC1 (grouped GEMM);  moe_gather_row_probs(prob);
 //   moe_scaled_activation_forward(fc1, row_prob) -> h (or FC2's FP8 input, per expert);  FC2;
@@ -79,6 +81,25 @@ void router_forward(const Tensor& logits, const RouterArgs& args, const RouterOu
 /// inside them). `saved` is router_forward's output for these logits.
 void router_backward(const Tensor& logits, const RouterArgs& args, const RouterOutputs& saved,
                      const Tensor& dprob, const Tensor& dlogits);
+
+/// Tokens of one partial sum of router_logits_backward's weight gradient.
+inline constexpr int64_t kRouterTileTokens = 256;
+
+/// The router's GEMM, reading x in its own dtype (no f32 copy of the activations):
+///   logits[t, e] = sum over k = 0..dim-1, in that order, of x[t, k] * weight[e, k], each term
+///   fused into the running sum from +0 (fma), so every backend gives the same bits.
+/// x f32|bf16 [tokens, dim]; weight f32 [experts, dim]; logits f32 [tokens, experts].
+void router_logits(const Tensor& x, const Tensor& weight, const Tensor& logits);
+
+/// The gradients of router_logits, given dlogits f32 [tokens, experts]:
+///   dx[t, k] = dx[t, k] + sum over e = 0..experts-1, in that order, of dlogits[t, e] *
+///     weight[e, k] (fma from +0; the sum added to dx in f32, rounded once to dx's dtype): added
+///     into dx (x's shape and dtype), which holds the layer's other gradient of x;
+///   dweight[e, k] (f32 [experts, dim]) = sum over the kRouterTileTokens-token tiles, in order, of
+///     each tile's sum over its tokens, in order, of dlogits[t, e] * x[t, k] (fma from +0);
+///     added to dweight when `accumulate`, else written.
+void router_logits_backward(const Tensor& x, const Tensor& weight, const Tensor& dlogits,
+                            const Tensor& dx, const Tensor& dweight, bool accumulate);
 
 /// Rows of the permuted buffers for `tokens` x `topk` routed slots over `experts` groups, each
 /// padded to kMoeGroupAlign: an upper bound that needs no host read-back of the counts. Rows past
