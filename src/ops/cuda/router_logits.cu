@@ -3,8 +3,9 @@
 // reads the activations once in their own dtype, keeps the experts' side in registers or shared
 // memory, and runs every output as one fma chain in the order include/octet/ops/moe.h states
 // (the CPU reference's), so both backends give the same bits and no sum is split.
-//   forward:  a CTA stages 64 tokens x 64 columns of x as floats; warp w takes 4 experts, lane l
-//             tokens l and l + 32; the chain runs over the columns in order.
+//   forward:  a CTA stages 64 tokens x 64 columns of x as floats, and the 16 experts' weights
+//             for those columns; warp w takes 4 experts, lane l tokens l and l + 32; the chain
+//             runs over the columns in order.
 //   dx:       a thread owns 2 columns and holds the 16 experts' weights for them in registers,
 //             walking 128 tokens whose dlogits sit in shared memory.
 //   dweight:  a thread owns 2 columns x 16 experts of one 256-token tile's partial sums; a second
@@ -41,31 +42,45 @@ constexpr int kFwdPitch = kFwdChunk + 4;
 constexpr int kFwdExpertsPerWarp = 4;
 constexpr int kFwdWarps = kExpertTile / kFwdExpertsPerWarp;
 constexpr int kFwdThreads = kFwdWarps * kWarpSize;
+/// CTAs an SM must hold (at most 128 registers a thread): 16 warps to hide the staging's loads.
+constexpr int kFwdCtasPerSm = 4;
 static_assert(kFwdTokens == 2 * kWarpSize, "a lane takes tokens lane and lane + 32");
 
-/// The staged chunk's loads of one thread: kN-element packs of x (kN = 1: element by element).
-template <typename T, int kN>
+/// One thread's share of a staged chunk: kN-element packs of x (kN = 1: element by element) and
+/// kWVec-float packs of the CTA's kExpertTile weight rows, loaded one chunk ahead of their use.
+template <typename T, int kN, int kWVec>
 struct FwdChunk {
   static constexpr int kPerRow = kFwdChunk / kN;
   static constexpr int kLoads = kFwdTokens * kPerRow / kFwdThreads;
-  static_assert(kFwdTokens * kPerRow % kFwdThreads == 0, "whole packs per thread");
+  static constexpr int kWPerRow = kFwdChunk / kWVec;
+  static constexpr int kWLoads = kExpertTile * kWPerRow / kFwdThreads;
+  static_assert(kFwdTokens * kPerRow % kFwdThreads == 0 &&
+                    kExpertTile * kWPerRow % kFwdThreads == 0,
+                "whole packs per thread");
   Pack<T, kN> v[kLoads];
+  Pack<float, kWVec> w[kWLoads];
 
-  /// Columns [c0, c0 + kFwdChunk) of the CTA's tokens from t0; zeros outside x.
-  __device__ void load(const T* x, int64_t tokens, int64_t dim, int64_t t0, int64_t c0) {
+  /// Columns [c0, c0 + kFwdChunk) of the CTA's tokens from t0 and experts from e0; zeros outside.
+  __device__ void load(const T* x, const float* weight, int64_t tokens, int64_t dim,
+                       int64_t experts, int64_t t0, int64_t e0, int64_t c0) {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int idx = static_cast<int>(threadIdx.x) + i * kFwdThreads;
       const int64_t t = t0 + idx / kPerRow, c = c0 + (idx % kPerRow) * kN;
-      if (t < tokens && c < dim) {
-        v[i] = load_pack<kN>(x + t * dim + c);  // kN divides dim (visit_pack)
-      } else {
-        v[i] = Pack<T, kN>{};
-      }
+      // kN divides dim (visit_pack): a pack that starts inside a row ends inside it.
+      v[i] = t < tokens && c < dim ? load_pack<kN>(x + t * dim + c) : Pack<T, kN>{};
+    }
+#pragma unroll
+    for (int i = 0; i < kWLoads; ++i) {
+      const int idx = static_cast<int>(threadIdx.x) + i * kFwdThreads;
+      const int64_t e = e0 + idx / kWPerRow, c = c0 + (idx % kWPerRow) * kWVec;
+      w[i] = e < experts && c < dim ? load_pack<kWVec>(weight + e * dim + c) : Pack<float, kWVec>{};
     }
   }
 
-  __device__ void store(float* stage) const {
+  /// x as floats into stage [kFwdTokens][kFwdPitch], the weights into w_stage
+  /// [kExpertTile][kFwdChunk].
+  __device__ void store(float* stage, float* w_stage) const {
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int idx = static_cast<int>(threadIdx.x) + i * kFwdThreads;
@@ -82,53 +97,53 @@ struct FwdChunk {
         for (int k = 0; k < kN; ++k) dst[k] = to_float(v[i].v[k]);
       }
     }
+#pragma unroll
+    for (int i = 0; i < kWLoads; ++i) {
+      const int idx = static_cast<int>(threadIdx.x) + i * kFwdThreads;
+      store_pack<kWVec>(w_stage + (idx / kWPerRow) * kFwdChunk + (idx % kWPerRow) * kWVec, w[i]);
+    }
   }
 };
 
-/// kWVec: 4 when every weight row may be read in float4s (dim % 4 == 0, aligned), else 1.
+/// kWVec: 4 when every weight row may be read in float4s (dim % 4 == 0, aligned), else 1. Both
+/// operands go through shared memory: each weight line would otherwise miss L1 once per warp.
 template <typename T, int kN, int kWVec>
-__global__ void __launch_bounds__(kFwdThreads)
+__global__ void __launch_bounds__(kFwdThreads, kFwdCtasPerSm)
     router_logits_kernel(const T* __restrict__ x, const float* __restrict__ weight, int64_t tokens,
                          int64_t dim, int64_t experts, float* __restrict__ logits) {
   __shared__ __align__(16) float stage[kFwdTokens * kFwdPitch];
+  __shared__ __align__(16) float w_stage[kExpertTile * kFwdChunk];
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kFwdTokens;
-  const int64_t e0 = static_cast<int64_t>(blockIdx.y) * kExpertTile + warp * kFwdExpertsPerWarp;
-  // The warp's expert rows; rows past the last expert read row 0 and are never stored.
-  const float* w[kFwdExpertsPerWarp];
-#pragma unroll
-  for (int q = 0; q < kFwdExpertsPerWarp; ++q)
-    w[q] = weight + (e0 + q < experts ? e0 + q : 0) * dim;
+  const int64_t cta_e0 = static_cast<int64_t>(blockIdx.y) * kExpertTile;
+  const int64_t e0 = cta_e0 + warp * kFwdExpertsPerWarp;  // the warp's experts
   float acc[2][kFwdExpertsPerWarp] = {};
-  FwdChunk<T, kN> chunk;
-  chunk.load(x, tokens, dim, t0, 0);
+  FwdChunk<T, kN, kWVec> chunk;
+  chunk.load(x, weight, tokens, dim, experts, t0, cta_e0, 0);
   for (int64_t c0 = 0; c0 < dim; c0 += kFwdChunk) {
-    chunk.store(stage);
+    chunk.store(stage, w_stage);
     __syncthreads();
-    if (c0 + kFwdChunk < dim) chunk.load(x, tokens, dim, t0, c0 + kFwdChunk);  // in flight
+    if (c0 + kFwdChunk < dim)  // in flight while this chunk is computed
+      chunk.load(x, weight, tokens, dim, experts, t0, cta_e0, c0 + kFwdChunk);
     const int valid = static_cast<int>(dim - c0 < kFwdChunk ? dim - c0 : kFwdChunk);
     const float* row0 = stage + lane * kFwdPitch;
     const float* row1 = stage + (lane + kWarpSize) * kFwdPitch;
-#pragma unroll 4
+    const float* w_rows = w_stage + warp * kFwdExpertsPerWarp * kFwdChunk;
+#pragma unroll 1
     for (int k = 0; k < valid; k += kWVec) {  // kWVec divides valid: it divides dim and kFwdChunk
-      float a[kWVec], b[kWVec];
-#pragma unroll
-      for (int j = 0; j < kWVec; ++j) {
-        a[j] = row0[k + j];
-        b[j] = row1[k + j];
-      }
+      const Pack<float, kWVec> a = load_pack<kWVec>(row0 + k), b = load_pack<kWVec>(row1 + k);
 #pragma unroll
       for (int q = 0; q < kFwdExpertsPerWarp; ++q) {
-        const Pack<float, kWVec> wq = load_pack<kWVec>(w[q] + c0 + k);  // one address a warp
+        const Pack<float, kWVec> wq = load_pack<kWVec>(w_rows + q * kFwdChunk + k);  // broadcast
 #pragma unroll
         for (int j = 0; j < kWVec; ++j) {
-          acc[0][q] = rn::fma(a[j], wq.v[j], acc[0][q]);
-          acc[1][q] = rn::fma(b[j], wq.v[j], acc[1][q]);
+          acc[0][q] = rn::fma(a.v[j], wq.v[j], acc[0][q]);
+          acc[1][q] = rn::fma(b.v[j], wq.v[j], acc[1][q]);
         }
       }
     }
-    __syncthreads();  // the next chunk rewrites stage
+    __syncthreads();  // the next chunk rewrites both stages
   }
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
@@ -145,7 +160,7 @@ __global__ void __launch_bounds__(kFwdThreads)
 
 constexpr int kDxThreads = 256;
 constexpr int kDxTokens = 128;
-constexpr int kDxUnroll = 4;  ///< tokens whose dx loads are in flight together
+constexpr int kDxUnroll = 8;  ///< tokens whose dx loads are in flight together
 static_assert(kDxTokens % kDxUnroll == 0);
 
 /// experts <= kExpertTile: the weights of the thread's kN columns stay in registers.
@@ -214,7 +229,7 @@ __global__ void router_dx_any_kernel(const float* __restrict__ dlogits,
 // dweight = dlogits^T x, per tile, then the tiles in order
 
 constexpr int kDwThreads = 128;
-constexpr int kDwUnroll = 4;
+constexpr int kDwUnroll = 8;  ///< tokens whose x loads are in flight together
 constexpr int kDwTile = static_cast<int>(kRouterTileTokens);
 static_assert(kDwTile % kDwUnroll == 0);
 
