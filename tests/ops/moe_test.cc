@@ -265,6 +265,9 @@ const SplitCase kSplits[] = {
     // than one launch of the fused cast's tile group takes (16).
     {Split::random, 40, 5, 24, 2600, "wide_top5_of_24"},
     {Split::two_of_sixteen_take_half, 64, 2, 16, 1299, "wide_half_on_two_of_16"},
+    // bf16 rows of whole packs over two whole 128-column tiles and a partial one, groups of one
+    // and two 128-row tiles, and 40 experts: more than one launch of the per-tensor FP8 cast (32).
+    {Split::two_of_sixteen_take_half, 256, 2, 40, 264, "half_on_two_of_40"},
 };
 
 MoePlan make_plan(const Tensor& expert, int64_t experts, const Device& device) {

@@ -44,6 +44,20 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, kN>& v) {
   *reinterpret_cast<Pack<T, kN>*>(p) = v;
 }
 
+/// The kN elements at p (aligned to the pack) as floats.
+template <int kN, typename T>
+__device__ __forceinline__ void load_floats(const T* p, float (&v)[kN]) {
+  const Pack<T, kN> pack = load_pack<kN>(p);
+#pragma unroll
+  for (int k = 0; k < kN; ++k) v[k] = math::to_float(pack.v[k]);
+}
+
+/// Stores T's zero at p[0, kN).
+template <int kN, typename T>
+__device__ __forceinline__ void store_zeros(T* p) {
+  store_pack<kN>(p, Pack<T, kN>{});
+}
+
 /// True when every pointer may be accessed in 16-byte packs (null pointers are ignored).
 inline bool vector_aligned(std::initializer_list<const void*> pointers) {
   for (const void* p : pointers)

@@ -1,18 +1,14 @@
 // CUDA MoE ops: the router (one thread per token, serial over the experts, as the CPU), its
 // statistics (one CTA per expert, fixed_order_reduce.h's order), the plan (one CTA per expert
-// scanning the routed slots in order: a stable layout with integer work only), row-parallel
-// dispatch / combine, and the scaled activation (forward: one CTA per permuted row; backward: one
-// warp per row, whose dprob is that warp's fixed-order reduction, and one CTA per 16-row dbias
-// tile, whose partial sums sit in their own slots until a second pass adds each expert's tiles in
-// order). No float atomics anywhere (DESIGN.md rule 3), so every output is the same bytes on every
-// run.
+// scanning the routed slots in order: a stable layout with integer work only), and row-parallel
+// dispatch / combine. The scaled activation between the experts' GEMMs is in moe_activation.cu.
+// No float atomics anywhere (DESIGN.md rule 3), so every output is the same bytes on every run.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <cub/block/block_scan.cuh>
 #include <initializer_list>
 #include <type_traits>
-#include <vector>
 
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
@@ -35,25 +31,10 @@ constexpr int kThreads = 256;
 constexpr int kLanes = kMoeDotLanes;
 static_assert(kLanes == kThreads, "the row kernels reduce with all their threads");
 
-
 // ----------------------------------------------------------------------------
 // Rows in packs: a row kernel gives each thread kN consecutive elements, kN = kVectorWidth<T> (one
 // 16-byte access) when every row allows it (visit_pack), else kN = 1, the element-wise fallback.
 // Both do the same float operations on every element.
-
-/// The kN elements at p (aligned to the pack) as floats.
-template <int kN, typename T>
-__device__ __forceinline__ void load_floats(const T* p, float (&v)[kN]) {
-  const Pack<T, kN> pack = load_pack<kN>(p);
-#pragma unroll
-  for (int k = 0; k < kN; ++k) v[k] = to_float(pack.v[k]);
-}
-
-/// Stores from_float<T>(0) at p[0, kN).
-template <int kN, typename T>
-__device__ __forceinline__ void store_zeros(T* p) {
-  store_pack<kN>(p, Pack<T, kN>{});
-}
 
 /// Step 1 of fixed_order_reduce.h's order when a row's terms are computed in packs. The row goes
 /// by chunks of kLanes * kN elements; thread i holds the terms of the chunk's elements [kN i,
@@ -83,36 +64,6 @@ __device__ __forceinline__ float fold_chunk(float lane, const float (&term)[kN],
     return lane;
   }
 }
-
-/// The activation's inputs at columns [j, j + kN) of one fc1 row x, as floats: the gate x[j..] and,
-/// for the gated activations, up x[f + j..] (otherwise 0, which activate ignores).
-template <MoeActivation kAct, int kN>
-struct ActivationIn {
-  float gate[kN], up[kN];
-
-  template <typename T>
-  __device__ ActivationIn(const T* x, int64_t f, int64_t j) {
-    load_floats<kN>(x + j, gate);
-    if constexpr (moe::gated(kAct)) {
-      load_floats<kN>(x + f + j, up);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kN; ++k) up[k] = 0.0f;
-    }
-  }
-
-  /// v = act(gate, up), plus bias[j..] when bias (the expert's row) is set: h before the row's
-  /// prob.
-  __device__ void value(const float* bias, int64_t j, float (&v)[kN]) const {
-    float b[kN];
-    if (bias != nullptr) load_floats<kN>(bias + j, b);
-#pragma unroll
-    for (int k = 0; k < kN; ++k) {
-      v[k] = moe::activate<kAct>(gate[k], up[k]);
-      if (bias != nullptr) v[k] = rn::add(v[k], b[k]);
-    }
-  }
-};
 
 // ----------------------------------------------------------------------------
 // CUDA kernels: router
@@ -311,202 +262,6 @@ __global__ void scatter_row_probs_kernel(const float* d_row_prob, const int32_t*
 }
 
 // ----------------------------------------------------------------------------
-// CUDA kernels: scaled activation (forward: one CTA per permuted row; backward: one warp per row)
-
-template <typename T, MoeActivation kAct, int kN>
-__global__ void scaled_activation_forward_kernel(const T* __restrict__ fc1,
-                                                 const float* __restrict__ row_prob,
-                                                 const int32_t* __restrict__ row_map,
-                                                 const int32_t* __restrict__ offsets,
-                                                 int64_t experts, const float* __restrict__ bias,
-                                                 int64_t f, T* __restrict__ h) {
-  const int64_t r = blockIdx.x, in_cols = moe::gated(kAct) ? 2 * f : f;
-  const int32_t e = moe::expert_of_row(offsets, experts, r);
-  const bool padding = row_map[2 * r] < 0 || e < 0;
-  const T* x = fc1 + r * in_cols;
-  const float* b = bias != nullptr && !padding ? bias + e * f : nullptr;
-  const float p = row_prob[r];
-  for (int64_t j = static_cast<int64_t>(threadIdx.x) * kN; j < f; j += blockDim.x * kN) {
-    if (padding) {
-      store_zeros<kN>(h + r * f + j);
-      continue;
-    }
-    float v[kN];
-    ActivationIn<kAct, kN>(x, f, j).value(b, j, v);
-#pragma unroll
-    for (int k = 0; k < kN; ++k) v[k] = rn::mul(v[k], p);
-    store_pack<kN>(h + r * f + j, round_pack<T>(v));
-  }
-}
-
-/// The tile quantizer's Source for one expert's rows of the scaled activation (FC2's fused FP8
-/// input): the matrix is h's rows [row0, row0 + p.rows) of expert e, each cell computed as
-/// scaled_activation_forward_kernel computes it and rounded to T, so the FP8 bytes and the amax
-/// are those of ops::quantize on that kernel's h. Also stores h when `h` is set.
-template <typename T, MoeActivation kAct>
-struct ScaledActivationTile {
-  const T* fc1;            ///< [capacity, in_cols]
-  const float* row_prob;   ///< [capacity]
-  const int32_t* row_map;  ///< [capacity, 2]
-  const float* bias;       ///< the expert's bias row [f], or nullptr
-  T* h;                    ///< optional: [capacity, f]
-  int64_t f, row0;
-  bool vec;  ///< fc1, h and bias 16-byte aligned, f a multiple of a 16-byte pack
-
-  using L = quant::TileLayout<T>;
-  static constexpr int kE = L::kChunkElems;
-  static constexpr bool kGated = moe::gated(kAct);
-  /// Chunks each thread stages, as in quant::load_tile.
-  static constexpr int kChunks = quant::kTile * L::kChunksPerRow / quant::kTileThreads;
-  static_assert(quant::kTile * L::kChunksPerRow % quant::kTileThreads == 0, "whole chunks");
-
-  __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
-    const int64_t in_cols = kGated ? 2 * f : f;
-#pragma unroll 4
-    for (int i = 0; i < kChunks; ++i) {
-      const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;
-      const int r = idx / L::kChunksPerRow, j = idx % L::kChunksPerRow;
-      const int64_t gr = r0 + r, gc = c0 + static_cast<int64_t>(j) * kE;
-      Pack<T, kE> o;
-      const int64_t row = row0 + gr;  // the permuted row
-      // Padding rows of the group are zeros, as the unfused kernel writes them.
-      const bool live = gr < p.rows && row_map[2 * row] >= 0;
-      T* h_row = h != nullptr && gr < p.rows ? h + row * f : nullptr;
-      if (live && vec && gc + kE <= p.cols) {
-        const float prob = row_prob[row];
-        float v[kE];
-        ActivationIn<kAct, kE>(fc1 + row * in_cols, f, gc).value(bias, gc, v);
-#pragma unroll
-        for (int k = 0; k < kE; ++k) v[k] = rn::mul(v[k], prob);
-        o = round_pack<T>(v);
-        if (h_row != nullptr) store_pack<kE>(h_row + gc, o);
-      } else {
-        const float prob = live ? row_prob[row] : 0.0f;
-#pragma unroll
-        for (int k = 0; k < kE; ++k) {
-          const bool inside = gr < p.rows && gc + k < p.cols;
-          float v[1] = {0.0f};
-          if (live && inside) {
-            ActivationIn<kAct, 1>(fc1 + row * in_cols, f, gc + k).value(bias, gc + k, v);
-            v[0] = rn::mul(v[0], prob);
-          }
-          o.v[k] = from_float<T>(v[0]);
-          if (inside && h_row != nullptr) h_row[gc + k] = o.v[k];
-        }
-      }
-      store_pack<kE>(tile + L::chunk_offset(r, j), o);
-    }
-    __syncthreads();
-  }
-};
-
-/// Rows of one backward CTA, one warp each: a dbias tile, so the tile's column sums come from the
-/// dh already loaded, with no second pass over dh.
-constexpr int kBackwardRows = static_cast<int>(kMoeBiasTileRows);
-constexpr int kBackwardThreads = kBackwardRows * kWarpSize;
-/// CTAs per SM that the backward's register budget must allow (64 registers a thread).
-constexpr int kBackwardCtasPerSm = 2;
-
-/// CTA b owns rows [16 b, 16 b + 16), warp w row 16 b + w: dfc1 and d_row_prob of that row (its
-/// fixed-order reduction over the row's F columns, WarpFold) from one pass over the row in
-/// strips, and, when dbias_partial is set, the tile's dbias partial: sum over the tile's mapped
-/// rows, in row order, of dh * prob, each strip's terms crossing through shared memory.
-template <typename T, MoeActivation kAct, int kN>
-__global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
-    scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
-                                      const float* __restrict__ row_prob,
-                                      const int32_t* __restrict__ row_map,
-                                      const int32_t* __restrict__ offsets, int64_t experts,
-                                      const float* __restrict__ bias, int64_t rows, int64_t f,
-                                      T* __restrict__ dfc1, float* __restrict__ d_row_prob,
-                                      float* __restrict__ dbias_partial) {
-  using Fold = WarpFold<kLanes, kN, SumOp>;
-  constexpr int kStrip = Fold::kStrip;
-  constexpr bool kGated = moe::gated(kAct);
-  __shared__ __align__(kVectorBytes) float strip_terms[kBackwardRows][kStrip];
-  __shared__ bool mapped_rows[kBackwardRows];
-  const int w = static_cast<int>(threadIdx.x) / kWarpSize;
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t in_cols = kGated ? 2 * f : f;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kBackwardRows + w;
-  const bool inside = r < rows;
-  // Mapped rows hold a routed token (dbias counts them); live rows also lie in an expert group.
-  const bool mapped = inside && row_map[2 * r] >= 0;
-  const int32_t e = inside ? moe::expert_of_row(offsets, experts, r) : -1;
-  const bool live = mapped && e >= 0;
-  const bool with_dbias = dbias_partial != nullptr;  // uniform across the CTA
-  if (with_dbias && lane == 0) mapped_rows[w] = mapped;  // read after the first barrier
-  const T* x = fc1 + r * in_cols;
-  T* d = dfc1 + r * in_cols;
-  const float* b = bias != nullptr && live ? bias + e * f : nullptr;
-  const float p = mapped ? row_prob[r] : 0.0f;
-  Fold fold;
-  for (int64_t q = 0; q * kStrip < f; ++q) {  // the same strips in every warp
-    const int64_t j = q * kStrip + static_cast<int64_t>(lane) * kN;
-    const bool in_row = inside && j < f;
-    if (in_row && mapped) {
-      float g[kN];
-      load_floats<kN>(dh + r * f + j, g);
-      if (with_dbias) {  // this row's dbias terms of the strip
-        Pack<float, kN> terms;
-#pragma unroll
-        for (int k = 0; k < kN; ++k) terms.v[k] = rn::mul(g[k], p);
-        store_pack<kN>(&strip_terms[w][lane * kN], terms);
-      }
-      if (live) {
-        const ActivationIn<kAct, kN> a(x, f, j);
-        float v[kN];  // the dprob terms first: fewer values live at once
-        a.value(b, j, v);
-#pragma unroll
-        for (int k = 0; k < kN; ++k) v[k] = rn::mul(g[k], v[k]);
-        fold.add(q, v);
-        float dgate[kN], dup[kN];
-#pragma unroll
-        for (int k = 0; k < kN; ++k) {
-          dgate[k] = dup[k] = 0.0f;
-          moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
-        }
-        store_pack<kN>(d + j, round_pack<T>(dgate));
-        if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
-      }
-    }
-    if (in_row && !live) {
-      store_zeros<kN>(d + j);
-      if constexpr (kGated) store_zeros<kN>(d + f + j);
-    }
-    if (!with_dbias) continue;
-    // The strip's column sums over the tile's mapped rows, in row order.
-    __syncthreads();
-    const int64_t tile = blockIdx.x;
-    for (int c = static_cast<int>(threadIdx.x); c < kStrip; c += kBackwardThreads) {
-      const int64_t col = q * kStrip + c;
-      if (col >= f || (tile + 1) * kBackwardRows > rows) continue;
-      float acc = 0.0f;
-#pragma unroll
-      for (int row = 0; row < kBackwardRows; ++row)
-        if (mapped_rows[row]) acc = rn::add(acc, strip_terms[row][c]);
-      dbias_partial[tile * f + col] = acc;
-    }
-    __syncthreads();  // the next strip rewrites strip_terms
-  }
-  const float dot = fold.reduce();
-  if (inside && lane == 0) d_row_prob[r] = live ? dot : 0.0f;
-}
-
-/// Pass 2: dbias[e, j] = sum of e's tiles' partials in tile order.
-__global__ void dbias_expert_sum_kernel(const float* partial, const int32_t* offsets, int64_t f,
-                                        float* dbias) {
-  const int64_t e = blockIdx.x;
-  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
-  if (j >= f) return;
-  float acc = 0.0f;
-  for (int64_t tile = offsets[e] / kMoeBiasTileRows; tile < offsets[e + 1] / kMoeBiasTileRows;
-       ++tile)
-    acc = rn::add(acc, partial[tile * f + j]);
-  dbias[e * f + j] = acc;
-}
-
-// ----------------------------------------------------------------------------
 // kernel launchers
 
 unsigned blocks_for(int64_t n) { return static_cast<unsigned>(ceil_div(n, kThreads)); }
@@ -642,89 +397,6 @@ void moe_scatter_row_probs(const Tensor& d_row_prob, const MoePlan& plan, const 
   const cudaStream_t stream = octet::cuda::stream(dprob.device());
   scatter_row_probs_kernel<<<blocks_for(dprob.numel()), kThreads, 0, stream>>>(
       in<float>(d_row_prob), in<int32_t>(plan.slot_row), dprob.numel(), out<float>(dprob));
-  OCTET_CHECK_LAUNCH();
-}
-
-void moe_scaled_activation_forward(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
-                                   const MoePlan& plan, const Tensor& bias, const Tensor& h) {
-  const cudaStream_t stream = octet::cuda::stream(fc1.device());
-  visit(fc1.dtype(), [&](auto type) {
-    using T = decltype(type);
-    const float* b = quant::data_or_null<const float>(bias);
-    moe::visit_activation(act, [&](auto a) {
-      visit_pack<T>(h.cols(), {fc1.raw_data(), h.raw_data(), b}, [&](auto pack) {
-        scaled_activation_forward_kernel<T, decltype(a)::value, decltype(pack)::value>
-            <<<static_cast<unsigned>(h.rows()), kThreads, 0, stream>>>(
-                in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-                in<int32_t>(plan.offsets), plan.experts(), b, h.cols(), out<T>(h));
-        OCTET_CHECK_LAUNCH();
-      });
-    });
-  });
-}
-
-void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
-                                        const Tensor& row_prob, const MoePlan& plan,
-                                        const Tensor& bias, const Tensor& h,
-                                        const MoeExpertCasts& casts) {
-  const int64_t f = moe::gated(act) ? fc1.cols() / 2 : fc1.cols();
-  const int64_t grouped = casts.offsets.back();
-  if (h.defined() && h.rows() > grouped) h.slice(grouped, h.rows()).zero();
-  visit(fc1.dtype(), [&](auto type) {
-    using T = decltype(type);
-    moe::visit_activation(act, [&](auto a) {
-      using Source = ScaledActivationTile<T, decltype(a)::value>;
-      std::vector<quant::TileMatrix<Source>> matrices;
-      for (size_t e = 0; e < casts.experts.size(); ++e) {
-        const int64_t rows = casts.offsets[e + 1] - casts.offsets[e];
-        if (rows == 0) continue;
-        Source source{};
-        source.fc1 = in<T>(fc1);
-        source.row_prob = in<float>(row_prob);
-        source.row_map = in<int32_t>(plan.row_map);
-        source.bias = bias.defined() ? in<float>(bias) + static_cast<int64_t>(e) * f : nullptr;
-        source.h = h.defined() ? out<T>(h) : nullptr;
-        source.f = f;
-        source.row0 = casts.offsets[e];
-        source.vec = f % Source::kE == 0 && vector_aligned({source.fc1, source.h, source.bias});
-        const FusedQuantize& target = casts.experts[e];
-        matrices.push_back({rows, f, target.out, &target.args, source});
-      }
-      quant::quantize_tile_group<T, Source>(matrices, fc1.device());
-    });
-  });
-}
-
-void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const Tensor& fc1,
-                                    const Tensor& row_prob, const MoePlan& plan,
-                                    const Tensor& bias, const Tensor& dfc1,
-                                    const Tensor& d_row_prob, const Tensor& dbias) {
-  const cudaStream_t stream = octet::cuda::stream(fc1.device());
-  const int64_t rows = dh.rows(), f = dh.cols();
-  // dbias: the backward kernel writes each tile's partial, a second kernel sums each expert's
-  // tiles in order.
-  const int64_t tiles = rows / kMoeBiasTileRows;
-  const Tensor partial =
-      dbias.defined() ? Tensor::empty({tiles, f}, DType::f32, fc1.device()) : Tensor();
-  visit(fc1.dtype(), [&](auto type) {
-    using T = decltype(type);
-    const float* b = quant::data_or_null<const float>(bias);
-    moe::visit_activation(act, [&](auto a) {
-      visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
-        scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
-            <<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, 0,
-               stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-                         in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
-                         out<float>(d_row_prob), quant::data_or_null<float>(partial));
-        OCTET_CHECK_LAUNCH();
-      });
-    });
-  });
-  if (!dbias.defined()) return;
-  const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreads));
-  dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks), kThreads,
-                            0, stream>>>(in<float>(partial), in<int32_t>(plan.offsets), f,
-                                         out<float>(dbias));
   OCTET_CHECK_LAUNCH();
 }
 
