@@ -6,9 +6,8 @@
 //     row-wise codes directly and its column-wise codes through a byte tile in shared memory; other
 //     scaling modes stage h in the tile quantizer (quantize_tile.cuh);
 //   - backward: one warp per row, whose dprob is that warp's fixed-order reduction (WarpFold), and
-//     one CTA per 16-row dbias tile, which keeps the tile's dh in shared memory for the tile's
-//     dbias partial sums (in their own slots until a second pass adds each expert's tiles in order),
-//     so no barrier holds the warps together while they walk their rows.
+//     one CTA per 16-row dbias tile, whose partial sums sit in their own slots until a second pass
+//     adds each expert's tiles in order.
 // No float atomics (DESIGN.md rule 3): every output is the same bytes on every run.
 #include <cuda_runtime.h>
 
@@ -369,22 +368,17 @@ struct ScaledActivationTile {
 // ----------------------------------------------------------------------------
 // CUDA kernels: backward
 
-/// Rows of one backward CTA, one warp each: a dbias tile.
-constexpr int kTileRows = static_cast<int>(kMoeBiasTileRows);
-constexpr int kBackwardThreads = kTileRows * kWarpSize;
+/// Rows of one backward CTA, one warp each: a dbias tile, so the tile's column sums come from the
+/// dh already loaded, with no second pass over dh.
+constexpr int kBackwardRows = static_cast<int>(kMoeBiasTileRows);
+constexpr int kBackwardThreads = kBackwardRows * kWarpSize;
 /// CTAs per SM that the backward's register budget must allow (64 registers a thread).
 constexpr int kBackwardCtasPerSm = 2;
-/// Bytes of the dh chunk a CTA keeps for the tile's dbias sums: 2048 bf16 (or 1024 f32) columns
-/// of its 16 rows, so that two CTAs fit an SM's shared memory.
-constexpr int kDbiasChunkBytes = 64 * 1024;
 
-/// CTA b owns the dbias tile of rows [16 b, 16 b + 16), warp w row 16 b + w. A warp walks its row
-/// in strips of one pack a lane and writes the row's dfc1 and d_row_prob (its fixed-order
-/// reduction over the F columns, WarpFold) with no barrier, so the CTA's warps keep their loads in
-/// flight independently. When dbias_partial is set, the row's dh packs also go to shared memory,
-/// chunk by chunk of the columns; after each chunk the CTA adds the tile's dh * prob column by
-/// column over the mapped rows in row order, from the same dh that the warps loaded (one barrier
-/// before the sums and one after, per chunk: two for the whole row at F = 2048 bf16).
+/// CTA b owns rows [16 b, 16 b + 16), warp w row 16 b + w: dfc1 and d_row_prob of that row (its
+/// fixed-order reduction over the row's F columns, WarpFold) from one pass over the row in
+/// strips, and, when dbias_partial is set, the tile's dbias partial: sum over the tile's mapped
+/// rows, in row order, of dh * prob, each strip's terms crossing through shared memory.
 template <typename T, MoeActivation kAct, int kN>
 __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
     scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
@@ -396,91 +390,74 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
                                       float* __restrict__ dbias_partial) {
   using Fold = WarpFold<kLanes, kN, SumOp>;
   constexpr int kStrip = Fold::kStrip;
-  constexpr int64_t kChunk = kDbiasChunkBytes / (kTileRows * sizeof(T));  // columns
-  static_assert(kChunk % kStrip == 0, "a chunk holds whole strips");
   constexpr bool kGated = moe::gated(kAct);
-  extern __shared__ __align__(16) unsigned char dbias_smem[];  // with dbias_partial: the chunk
-  __shared__ float row_weight[kTileRows];  // the rows' probs
-  __shared__ bool row_mapped[kTileRows];
-  T* chunk_dh = reinterpret_cast<T*>(dbias_smem);  // [kTileRows][kChunk]
+  __shared__ __align__(kVectorBytes) float strip_terms[kBackwardRows][kStrip];
+  __shared__ bool mapped_rows[kBackwardRows];
   const int w = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const int64_t tile = blockIdx.x;
-  const int64_t r = tile * kTileRows + w;
+  const int64_t in_cols = kGated ? 2 * f : f;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kBackwardRows + w;
   const bool inside = r < rows;
   // Mapped rows hold a routed token (dbias counts them); live rows also lie in an expert group.
   const bool mapped = inside && row_map[2 * r] >= 0;
   const int32_t e = inside ? moe::expert_of_row(offsets, experts, r) : -1;
   const bool live = mapped && e >= 0;
   const bool with_dbias = dbias_partial != nullptr;  // uniform across the CTA
-  const T* x = fc1 + r * (kGated ? 2 * f : f);
-  T* d = dfc1 + r * (kGated ? 2 * f : f);
+  if (with_dbias && lane == 0) mapped_rows[w] = mapped;  // read after the first barrier
+  const T* x = fc1 + r * in_cols;
+  T* d = dfc1 + r * in_cols;
   const float* b = bias != nullptr && live ? bias + e * f : nullptr;
   const float p = mapped ? row_prob[r] : 0.0f;
-  if (with_dbias && lane == 0) {  // read after the chunk's first barrier
-    row_weight[w] = p;
-    row_mapped[w] = mapped;
-  }
-  const int64_t lane_col = static_cast<int64_t>(lane) * kN;
   Fold fold;
-  for (int64_t c0 = 0; c0 < f; c0 += kChunk) {
-    const int64_t c1 = c0 + kChunk < f ? c0 + kChunk : f;
-    for (int64_t j = c0 + lane_col; j < c1; j += kStrip) {  // this warp's row, no barrier
-      if (!inside) break;
-      Pack<T, kN> raw_dh{};
-      if (mapped) raw_dh = load_pack<kN>(dh + r * f + j);
-      if (with_dbias) store_pack<kN>(chunk_dh + w * kChunk + (j - c0), raw_dh);
-      if (!live) {
-        store_zeros<kN>(d + j);
-        if constexpr (kGated) store_zeros<kN>(d + f + j);
-        continue;
-      }
+  for (int64_t q = 0; q * kStrip < f; ++q) {  // the same strips in every warp
+    const int64_t j = q * kStrip + static_cast<int64_t>(lane) * kN;
+    const bool in_row = inside && j < f;
+    if (in_row && mapped) {
       float g[kN];
+      load_floats<kN>(dh + r * f + j, g);
+      if (with_dbias) {  // this row's dbias terms of the strip
+        Pack<float, kN> terms;
 #pragma unroll
-      for (int k = 0; k < kN; ++k) g[k] = to_float(raw_dh.v[k]);
-      const ActivationIn<kAct, kN> a(x, f, j);
-      float v[kN];  // the dprob terms first: fewer values live at once
-      a.value(b, j, v);
-#pragma unroll
-      for (int k = 0; k < kN; ++k) v[k] = rn::mul(g[k], v[k]);
-      fold.add(j / kStrip, v);
-      float dgate[kN], dup[kN];
-#pragma unroll
-      for (int k = 0; k < kN; ++k) {
-        dgate[k] = dup[k] = 0.0f;
-        moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+        for (int k = 0; k < kN; ++k) terms.v[k] = rn::mul(g[k], p);
+        store_pack<kN>(&strip_terms[w][lane * kN], terms);
       }
-      store_pack<kN>(d + j, round_pack<T>(dgate));
-      if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
+      if (live) {
+        const ActivationIn<kAct, kN> a(x, f, j);
+        float v[kN];  // the dprob terms first: fewer values live at once
+        a.value(b, j, v);
+#pragma unroll
+        for (int k = 0; k < kN; ++k) v[k] = rn::mul(g[k], v[k]);
+        fold.add(q, v);
+        float dgate[kN], dup[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          dgate[k] = dup[k] = 0.0f;
+          moe::activate_grad<kAct>(rn::mul(g[k], p), a.gate[k], a.up[k], dgate[k], dup[k]);
+        }
+        store_pack<kN>(d + j, round_pack<T>(dgate));
+        if constexpr (kGated) store_pack<kN>(d + f + j, round_pack<T>(dup));
+      }
+    }
+    if (in_row && !live) {
+      store_zeros<kN>(d + j);
+      if constexpr (kGated) store_zeros<kN>(d + f + j);
     }
     if (!with_dbias) continue;
-    // The chunk's column sums over the tile's mapped rows, in row order; padding rows are skipped,
-    // as the CPU skips them.
+    // The strip's column sums over the tile's mapped rows, in row order.
     __syncthreads();
-    if ((tile + 1) * kTileRows <= rows) {  // only whole tiles have a partial
-      for (int64_t j = c0 + static_cast<int64_t>(threadIdx.x) * kN; j < c1;
-           j += static_cast<int64_t>(kBackwardThreads) * kN) {
-        float acc[kN];
+    const int64_t tile = blockIdx.x;
+    for (int c = static_cast<int>(threadIdx.x); c < kStrip; c += kBackwardThreads) {
+      const int64_t col = q * kStrip + c;
+      if (col >= f || (tile + 1) * kBackwardRows > rows) continue;
+      float acc = 0.0f;
 #pragma unroll
-        for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
-#pragma unroll 4
-        for (int row = 0; row < kTileRows; ++row) {
-          if (!row_mapped[row]) continue;
-          const float weight = row_weight[row];
-          float h[kN];
-          load_floats<kN>(chunk_dh + row * kChunk + (j - c0), h);
-#pragma unroll
-          for (int k = 0; k < kN; ++k) acc[k] = rn::add(acc[k], rn::mul(h[k], weight));
-        }
-        Pack<float, kN> out;
-#pragma unroll
-        for (int k = 0; k < kN; ++k) out.v[k] = acc[k];
-        store_pack<kN>(dbias_partial + tile * f + j, out);
-      }
+      for (int row = 0; row < kBackwardRows; ++row)
+        if (mapped_rows[row]) acc = rn::add(acc, strip_terms[row][c]);
+      dbias_partial[tile * f + col] = acc;
     }
-    __syncthreads();  // the next chunk rewrites chunk_dh
+    __syncthreads();  // the next strip rewrites strip_terms
   }
-  const float dot = fold.reduce();  // every lane of the warp: the tree crosses lanes
+  const float dot = fold.reduce();
   if (inside && lane == 0) d_row_prob[r] = live ? dot : 0.0f;
 }
 
@@ -630,32 +607,23 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
                                     const Tensor& row_prob, const MoePlan& plan,
                                     const Tensor& bias, const Tensor& dfc1,
                                     const Tensor& d_row_prob, const Tensor& dbias) {
-  const Device device = fc1.device();
-  const cudaStream_t stream = octet::cuda::stream(device);
+  const cudaStream_t stream = octet::cuda::stream(fc1.device());
   const int64_t rows = dh.rows(), f = dh.cols();
   // dbias: the backward kernel writes each tile's partial, a second kernel sums each expert's
   // tiles in order.
+  const int64_t tiles = rows / kMoeBiasTileRows;
   const Tensor partial =
-      dbias.defined() ? Tensor::empty({rows / kTileRows, f}, DType::f32, device) : Tensor();
-  const size_t smem_bytes = dbias.defined() ? kDbiasChunkBytes : 0;
+      dbias.defined() ? Tensor::empty({tiles, f}, DType::f32, fc1.device()) : Tensor();
   math::visit_dtype(fc1.dtype(), [&](auto type) {
     using T = decltype(type);
     const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
       visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
-        const auto kernel =
-            scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>;
-        static octet::cuda::PerDeviceFlag opted_in;  // one per kernel
-        if (!opted_in.test(device)) {
-          OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                kDbiasChunkBytes));
-          opted_in.set(device);
-        }
-        kernel<<<static_cast<unsigned>(ceil_div(rows, static_cast<int64_t>(kTileRows))),
-                 kBackwardThreads, smem_bytes, stream>>>(
-            in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-            in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
-            out<float>(d_row_prob), quant::data_or_null<float>(partial));
+        scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
+            <<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, 0,
+               stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                         in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
+                         out<float>(d_row_prob), quant::data_or_null<float>(partial));
         OCTET_CHECK_LAUNCH();
       });
     });
