@@ -148,33 +148,34 @@ __device__ __forceinline__ int swizzled_word(int col, int word) {
 
 /// One expert's matrix of the per-tensor cast: its rows of h and its FP8 target.
 struct ExpertCast {
-  uint8_t* data;        ///< [rows, f] row-wise codes, or nullptr
-  uint8_t* data_t;      ///< [f, rows] column-wise codes, or nullptr
-  float* scale_inv;     ///< f32[1] (written by the matrix's first tile)
-  float* scale_inv_t;   ///< f32[1] when data_t's scale_inv is its own tensor, else nullptr
-  const float* scale;   ///< f32[1], the multiplier
-  uint32_t* amax;       ///< raised to max |h| after every store, or nullptr
-  const float* bias;    ///< the expert's bias row [f], or nullptr
-  int64_t row0, rows;   ///< its first permuted row and its row count (a multiple of 16)
+  uint8_t* data;       ///< [rows, f] row-wise codes, or nullptr
+  uint8_t* data_t;     ///< [f, rows] column-wise codes, or nullptr
+  float* scale_inv;    ///< f32[1] (written by the matrix's first tile)
+  float* scale_inv_t;  ///< f32[1] when data_t's scale_inv is its own tensor, else nullptr
+  const float* scale;  ///< f32[1], the multiplier
+  uint32_t* amax;      ///< raised to max |h| after every store, or nullptr
+  const float* bias;   ///< the expert's bias row [f], or nullptr
+  int64_t row0, rows;  ///< its first permuted row and its row count (a multiple of 16)
 };
 
 /// Experts per launch; the launch is about 2.5 KB of parameters.
 constexpr int kMaxCastGroup = 32;
 
-template <typename T>
+/// One launch of the per-tensor cast: up to kMaxCastGroup experts, expert m owning the CTAs
+/// [first_tile[m], first_tile[m + 1]), one per 128x128 tile of its rows of h.
 struct CastGroup {
   ExpertCast experts[kMaxCastGroup];
   int64_t first_tile[kMaxCastGroup + 1];
   int count;
-  int64_t col_tiles;  ///< tiles across f
-  const T* fc1;       ///< [capacity, in_cols]
-  const float* row_prob;
-  const int32_t* row_map;
-  T* h;  ///< optional: [capacity, f]
+  int64_t col_tiles;       ///< tiles across f
+  const uint16_t* fc1;     ///< bf16 [capacity, in_cols]
+  const float* row_prob;   ///< [capacity]
+  const int32_t* row_map;  ///< [capacity, 2]
+  uint16_t* h;             ///< optional: bf16 [capacity, f]
   int64_t f;
 };
 
-static_assert(sizeof(CastGroup<uint16_t>) <= quant::kPortableParamBytes,
+static_assert(sizeof(CastGroup) <= quant::kPortableParamBytes,
               "a CastGroup exceeds 4 KB of kernel parameters: lower kMaxCastGroup");
 
 /// The 4x4 byte transpose: word i of `rows` holds row i's 4 codes; word j of the result holds
@@ -192,13 +193,13 @@ __device__ __forceinline__ void transpose_4x4(const uint32_t (&rows)[4], uint32_
 
 template <MoeActivation kAct, DType kFp8>
 __global__ void __launch_bounds__(kCastThreads, kCastCtasPerSm)
-    scaled_activation_cast_kernel(const __grid_constant__ CastGroup<uint16_t> g) {
+    scaled_activation_cast_kernel(const __grid_constant__ CastGroup g) {
   using T = uint16_t;  // bf16 bits
   constexpr bool kGated = moe::gated(kAct);
   __shared__ __align__(16) uint32_t codes_t[kCastTile * kWordsPerColumn];
   __shared__ uint32_t scratch[kCastThreads / kWarpSize];
-  const int m = static_cast<int>(last_start_at_most(g.first_tile, g.count,
-                                                    static_cast<int64_t>(blockIdx.x)));
+  const int m =
+      static_cast<int>(last_start_at_most(g.first_tile, g.count, static_cast<int64_t>(blockIdx.x)));
   const ExpertCast& x = g.experts[m];
   const int64_t tile = blockIdx.x - g.first_tile[m];
   const int64_t ti = tile / g.col_tiles, tj = tile % g.col_tiles;
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kCastThreads, kCastCtasPerSm)
   for (int pass = 0; pass < kCastPasses; ++pass) {
     const int block = t / kPacksPerTileRow + pass * kBlocksPerPass;
     const int64_t r = ti * kCastTile + block * kBlockRows;  // the block's first row in the matrix
-    uint4 gate[kBlockRows], up[kBlockRows];  // bf16 packs
+    uint4 gate[kBlockRows], up[kBlockRows];                 // bf16 packs
     int32_t token[kBlockRows];
     float prob[kBlockRows];
     // Every load of the block at once; padding rows of the group are read too (the FC1 GEMM wrote
@@ -246,19 +247,21 @@ __global__ void __launch_bounds__(kCastThreads, kCastCtasPerSm)
         *reinterpret_cast<uint4*>(g.h + (row0 + k) * f + col) =
             make_uint4(words[0], words[1], words[2], words[3]);
 #pragma unroll
-      for (int w = 0; w < kBlockCols / 2; ++w) amax_pair = quant::bf16x2_abs_max(amax_pair, words[w]);
-      // The codes of the rounded values, one multiply each (quant::quantize_run's arithmetic).
+      for (int w = 0; w < kBlockCols / 2; ++w)
+        amax_pair = quant::bf16x2_abs_max(amax_pair, words[w]);
+        // The codes of the rounded values, one multiply each (quant::quantize_run's arithmetic).
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint32_t a = words[2 * half], b = words[2 * half + 1];
-        const uint32_t lo = quant::encode_fp8x2<kFp8>(__uint_as_float(a << 16) * multiplier,
-                                                      __uint_as_float(a & 0xFFFF0000u) * multiplier);
-        const uint32_t hi = quant::encode_fp8x2<kFp8>(__uint_as_float(b << 16) * multiplier,
-                                                      __uint_as_float(b & 0xFFFF0000u) * multiplier);
+        const uint32_t lo = quant::encode_fp8x2<kFp8>(
+            __uint_as_float(a << 16) * multiplier, __uint_as_float(a & 0xFFFF0000u) * multiplier);
+        const uint32_t hi = quant::encode_fp8x2<kFp8>(
+            __uint_as_float(b << 16) * multiplier, __uint_as_float(b & 0xFFFF0000u) * multiplier);
         codes[half][k] = lo | hi << 16;
       }
       if (x.data != nullptr && col_in)
-        *reinterpret_cast<uint2*>(x.data + (r + k) * f + col) = make_uint2(codes[0][k], codes[1][k]);
+        *reinterpret_cast<uint2*>(x.data + (r + k) * f + col) =
+            make_uint2(codes[0][k], codes[1][k]);
     }
     if (x.data_t != nullptr) {
 #pragma unroll
@@ -402,7 +405,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
   const bool mapped = inside && row_map[2 * r] >= 0;
   const int32_t e = inside ? moe::expert_of_row(offsets, experts, r) : -1;
   const bool live = mapped && e >= 0;
-  const bool with_dbias = dbias_partial != nullptr;  // uniform across the CTA
+  const bool with_dbias = dbias_partial != nullptr;      // uniform across the CTA
   if (with_dbias && lane == 0) mapped_rows[w] = mapped;  // read after the first barrier
   const T* x = fc1 + r * in_cols;
   T* d = dfc1 + r * in_cols;
@@ -501,12 +504,13 @@ bool launch_per_tensor_cast(MoeActivation act, const Tensor& fc1, const Tensor& 
       return false;
     used.push_back(static_cast<int>(e));
   }
+  if (used.empty()) return true;  // no expert has rows: nothing to write
   const cudaStream_t stream = octet::cuda::stream(fc1.device());
-  const DType fp8 = casts.experts[used.empty() ? 0 : used.front()].out->dtype;
+  const DType fp8 = casts.experts[used.front()].out->dtype;
   for (int e : used)
     if (casts.experts[e].out->dtype != fp8) return false;
   for (size_t begin = 0; begin < used.size(); begin += kMaxCastGroup) {
-    CastGroup<uint16_t> group{};
+    CastGroup group{};
     group.col_tiles = ceil_div(f, static_cast<int64_t>(kCastTile));
     group.fc1 = in<uint16_t>(fc1);
     group.row_prob = in<float>(row_prob);
@@ -532,8 +536,8 @@ bool launch_per_tensor_cast(MoeActivation act, const Tensor& fc1, const Tensor& 
       x.row0 = casts.offsets[e];
       x.rows = casts.offsets[e + 1] - casts.offsets[e];
       group.first_tile[group.count + 1] =
-          group.first_tile[group.count] + (x.rows / kCastTile + (x.rows % kCastTile != 0)) *
-                                              group.col_tiles;
+          group.first_tile[group.count] +
+          (x.rows / kCastTile + (x.rows % kCastTile != 0)) * group.col_tiles;
       ++group.count;
     }
     const int64_t tiles = group.first_tile[group.count];
@@ -604,9 +608,9 @@ void moe_scaled_activation_forward_cast(MoeActivation act, const Tensor& fc1,
 }
 
 void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const Tensor& fc1,
-                                    const Tensor& row_prob, const MoePlan& plan,
-                                    const Tensor& bias, const Tensor& dfc1,
-                                    const Tensor& d_row_prob, const Tensor& dbias) {
+                                    const Tensor& row_prob, const MoePlan& plan, const Tensor& bias,
+                                    const Tensor& dfc1, const Tensor& d_row_prob,
+                                    const Tensor& dbias) {
   const cudaStream_t stream = octet::cuda::stream(fc1.device());
   const int64_t rows = dh.rows(), f = dh.cols();
   // dbias: the backward kernel writes each tile's partial, a second kernel sums each expert's
@@ -620,10 +624,10 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
     moe::visit_activation(act, [&](auto a) {
       visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
         scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
-            <<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, 0,
-               stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-                         in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
-                         out<float>(d_row_prob), quant::data_or_null<float>(partial));
+            <<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, 0, stream>>>(
+                in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
+                out<float>(d_row_prob), quant::data_or_null<float>(partial));
         OCTET_CHECK_LAUNCH();
       });
     });
@@ -631,9 +635,8 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
   if (!dbias.defined()) return;
   const auto column_blocks = static_cast<unsigned>(ceil_div(f, kThreadsPerBlock));
   dbias_expert_sum_kernel<<<dim3(static_cast<unsigned>(plan.experts()), column_blocks),
-                            kThreadsPerBlock, 0, stream>>>(in<float>(partial),
-                                                           in<int32_t>(plan.offsets), f,
-                                                           out<float>(dbias));
+                            kThreadsPerBlock, 0, stream>>>(
+      in<float>(partial), in<int32_t>(plan.offsets), f, out<float>(dbias));
   OCTET_CHECK_LAUNCH();
 }
 
