@@ -22,7 +22,6 @@
 namespace octet::ops::cuda {
 namespace {
 
-using math::from_float;
 using math::to_float;
 
 /// Threads of the element-parallel kernels.
