@@ -141,6 +141,32 @@ void Norm::settle_grad() {
   if (grads_unwritten_) zero_grad(ZeroGrad::now);
 }
 
+Tensor norm_linear_forward(const Norm& norm, Linear& linear, const Tensor& x,
+                           Norm::Saved& norm_saved, Linear::Saved& linear_saved, ForwardMode mode) {
+  OCTET_CHECK(x.defined() && x.ndim() >= 1 && x.size(-1) == norm.dim(),
+              "norm_linear_forward: the norm (dim ", norm.dim(), ") expects an input [..., ",
+              norm.dim(), "], got ", x.defined() ? x.describe() : "none");
+  const Tensor x2 = x.view({-1, norm.dim()});
+  const auto fused = fusion_enabled(Fusion::norm_cast)
+                         ? linear.fused_input(x2.rows(), x.dtype(), linear_saved, mode)
+                         : std::nullopt;
+  const Tensor h = norm.forward(x2, norm_saved, fused ? &*fused : nullptr, /*output=*/!fused);
+  Shape y_shape = x.shape();
+  y_shape.back() = linear.out_features();
+  return linear.forward(h, linear_saved, mode).view(y_shape);
+}
+
+Tensor norm_linear_backward(Norm& norm, Linear& linear, const Tensor& dy,
+                            const Norm::Saved& norm_saved, const Linear::Saved& linear_saved) {
+  OCTET_CHECK(dy.defined() && dy.ndim() >= 1 && dy.size(-1) == linear.out_features(),
+              "norm_linear_backward: expected dy [..., ", linear.out_features(), "], got ",
+              dy.defined() ? dy.describe() : "none");
+  const Tensor dh = linear.backward(dy.view({-1, linear.out_features()}), linear_saved);
+  Shape dx_shape = dy.shape();
+  dx_shape.back() = norm.dim();
+  return norm.backward(dh, norm_saved).view(dx_shape);
+}
+
 // ----------------------------------------------------------------------------
 // Attention
 
@@ -314,9 +340,8 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
   // their high-precision outputs are then needed only by an observer (the FP8 statistics).
   const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
   const bool norm_cast = fusion_enabled(Fusion::norm_cast);
-  const auto fused_qkv = norm_cast
-                             ? attn_.qkv().fused_input(x.rows(), x.dtype(), saved.attn.qkv, mode)
-                             : std::nullopt;
+  const auto fused_qkv =
+      norm_cast ? attn_.qkv().fused_input(x.rows(), x.dtype(), saved.attn.qkv, mode) : std::nullopt;
   const Tensor h1 =
       norm1_.forward(x, saved.norm1, fused_qkv ? &*fused_qkv : nullptr, !fused_qkv || observed);
   // The residual adds ride in proj's and fc2's GEMM epilogues: r = x + attn(h1), y = r + mlp(h2).
@@ -330,9 +355,8 @@ Tensor TransformerBlock::forward_full(const Tensor& x, Saved& saved, ForwardMode
     saved.complete = true;
     return y;
   }
-  const auto fused_fc1 = norm_cast
-                             ? mlp_->fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode)
-                             : std::nullopt;
+  const auto fused_fc1 =
+      norm_cast ? mlp_->fc1().fused_input(x.rows(), x.dtype(), saved.mlp.fc1, mode) : std::nullopt;
   const Tensor h2 = norm2_.forward(saved.residual, saved.norm2, fused_fc1 ? &*fused_fc1 : nullptr,
                                    !fused_fc1 || observed);
   Tensor y = mlp_->forward(h2, saved.mlp, mode, observer, /*residual=*/saved.residual);

@@ -563,5 +563,131 @@ TEST(LinearInference, NeedsAStateForTheRecipeAndItsSavedCannotGoBackward) {
       ::testing::ThrowsMessage<Error>(HasSubstr("got one of an inference forward")));
 }
 
+// ----------------------------------------------------------------------------
+// A norm feeding a Linear (norm_linear_forward / norm_linear_backward: TE's LayerNormLinear)
+
+/// Gains in [0.5, 1.5] and shifts in [-0.5, 0.5] drawn from `seed`, so that a swapped or unused
+/// gamma or beta shows.
+void set_norm_parameters(const Norm& norm, uint64_t seed) {
+  std::vector<float> gamma = to_floats(testing::random_tensor({kDim}, DType::f32, seed + 1, 0.5f));
+  for (float& g : gamma) g += 1.0f;
+  Tensor g = norm.gamma(), b = norm.beta();  // handles on the norm's storage
+  g.copy_from(Tensor::from_vector(gamma, {kDim}).to(g.device()));
+  if (b.defined())
+    b.copy_from(testing::random_tensor({kDim}, DType::f32, seed + 2, 0.5f).to(b.device()));
+}
+
+struct NormLinearRun {
+  std::vector<Tensor> tensors;  ///< y and dx of every microbatch, then every gradient and FP8 state
+};
+
+/// kMicrobatches through a norm over kDim and a Linear kDim -> kFfn on [kBatch, kSeq, kDim]
+/// inputs; with `recompute`, backward takes a record rebuilt by a recompute forward.
+NormLinearRun run_norm_linear(const Device& device, NormKind kind, const BlockPrecision& p,
+                              bool recompute, uint64_t seed) {
+  Norm norm(kind, kDim, 1e-5f, device);
+  Linear linear(kDim, kFfn, /*bias=*/true, device, seed, p.activation);
+  set_norm_parameters(norm, seed);
+  AmaxRegistry registry;
+  NormLinearRun run;
+  for (int m = 0; m < kMicrobatches; ++m) {
+    const uint64_t mb = seed + 7919 * (m + 1);
+    const Tensor x =
+        testing::random_tensor({kBatch, kSeq, kDim}, p.activation, mb, 2.0f).to(device);
+    const Tensor dy = testing::random_tensor({kBatch, kSeq, kFfn}, p.activation, mb + 1).to(device);
+    std::optional<Fp8Autocast> scope;
+    if (p.recipe) scope.emplace(*p.recipe, registry);
+    // Delayed scaling fuses from the second microbatch on (the first needs the input's own amax),
+    // unless Fusion::norm_cast is off.
+    if (p.recipe && p.recipe->kind == fp8::RecipeKind::delayed && m > 0)
+      EXPECT_TRUE(linear.takes_fused_input(Linear::Saved{})) << "microbatch " << m;
+    Norm::Saved norm_saved;
+    Linear::Saved saved;
+    const Tensor y = norm_linear_forward(norm, linear, x, norm_saved, saved);
+    EXPECT_EQ(y.shape(), (Shape{kBatch, kSeq, kFfn}));
+    if (recompute) {
+      Linear::Saved rebuilt = Linear::Saved::from_snapshot(saved.snapshot);
+      Norm::Saved norm_rebuilt;
+      const Tensor again =
+          norm_linear_forward(norm, linear, x, norm_rebuilt, rebuilt, ForwardMode::recompute);
+      EXPECT_TRUE(bitwise_equal(y, again)) << "recomputed y, microbatch " << m;
+      saved = std::move(rebuilt);
+      norm_saved = std::move(norm_rebuilt);
+    }
+    scope.reset();
+    const Tensor dx = norm_linear_backward(norm, linear, dy, norm_saved, saved);
+    EXPECT_EQ(dx.shape(), x.shape());
+    if (p.recipe) registry.finalize_backward();
+    run.tensors.push_back(y.to(Device::cpu()));
+    run.tensors.push_back(dx.to(Device::cpu()));
+  }
+  for (const Tensor* g : {&linear.grad_weight(), &linear.grad_bias(), &norm.grad_gamma()})
+    run.tensors.push_back(g->to(Device::cpu()));
+  if (kind == NormKind::layernorm) run.tensors.push_back(norm.grad_beta().to(Device::cpu()));
+  if (p.recipe)
+    for (const Tensor& t : state_tensors(*linear.fp8_state()))
+      run.tensors.push_back(t.to(Device::cpu()));
+  return run;
+}
+
+void expect_same_tensors(const NormLinearRun& a, const NormLinearRun& b) {
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (size_t i = 0; i < a.tensors.size(); ++i)
+    EXPECT_TRUE(bitwise_equal(a.tensors[i], b.tensors[i])) << "tensor " << i;
+}
+
+using NormLinearParam = std::tuple<Device, NormKind, BlockPrecision>;
+class NormLinearTest : public ::testing::TestWithParam<NormLinearParam> {};
+
+/// The norm writing the Linear's FP8 input (delayed scaling, from the second microbatch on) gives
+/// bitwise what the norm's output cast by the Linear gives, under every precision; a recompute
+/// rebuilds the record bit for bit; and the result is the composition itself, within f32's
+/// rounding for f32 (the FP8 runs' accuracy is the Linear's, tested in linear_test.cc).
+TEST_P(NormLinearTest, FusedCastIsBitwiseTheUnfusedAndRecomputeTheOriginal) {
+  const auto& [device, kind, precision] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const NormLinearRun fused = run_norm_linear(device, kind, precision, false, seed);
+  {
+    const UnfusedScope off({Fusion::norm_cast});
+    expect_same_tensors(fused, run_norm_linear(device, kind, precision, false, seed));
+  }
+  expect_same_tensors(fused, run_norm_linear(device, kind, precision, true, seed));
+  if (precision.activation != DType::f32 || precision.recipe) return;
+  // f32: y against the norm and the Linear run apart.
+  Norm norm(kind, kDim, 1e-5f, device);
+  Linear linear(kDim, kFfn, true, device, seed, DType::f32);
+  set_norm_parameters(norm, seed);
+  const Tensor x =
+      testing::random_tensor({kBatch, kSeq, kDim}, DType::f32, seed + 7919, 2.0f).to(device);
+  Norm::Saved norm_saved;
+  Linear::Saved saved;
+  const Tensor h = norm.forward(x, norm_saved);
+  EXPECT_TRUE(bitwise_equal(linear.forward(h, saved), fused.tensors[0].to(device)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, NormLinearTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                                            ::testing::Values(NormKind::layernorm,
+                                                              NormKind::rmsnorm),
+                                            ::testing::ValuesIn(all_precisions())),
+                         [](const auto& info) {
+                           return device_name(std::get<0>(info.param)) +
+                                  (std::get<1>(info.param) == NormKind::layernorm ? "_layernorm_"
+                                                                                  : "_rmsnorm_") +
+                                  std::get<2>(info.param).name;
+                         });
+
+TEST(NormLinear, RefusesAnInputOfAnotherWidth) {
+  Norm norm(NormKind::layernorm, kDim, 1e-5f, Device::cpu());
+  Linear linear(kDim, kFfn, true, Device::cpu(), 1);
+  Norm::Saved norm_saved;
+  Linear::Saved saved;
+  const Tensor x = testing::random_tensor({kRows, kDim + 1}, DType::f32, 3);
+  EXPECT_THAT([&] { norm_linear_forward(norm, linear, x, norm_saved, saved); },
+              ::testing::ThrowsMessage<Error>(HasSubstr("expects an input [..., 32]")));
+}
+
 }  // namespace
 }  // namespace octet::nn

@@ -46,6 +46,7 @@ class Norm {
 
   NormKind kind() const { return kind_; }
   int64_t dim() const { return dim_; }
+  float eps() const { return eps_; }
   const Tensor& gamma() const { return gamma_; }
   /// Undefined for RMSNorm.
   const Tensor& beta() const { return beta_; }
@@ -60,6 +61,19 @@ class Norm {
   Tensor gamma_, beta_, grad_gamma_, grad_beta_;
   bool grads_unwritten_ = false;  ///< zero_grad(ZeroGrad::on_next_write) with no backward since
 };
+
+/// A norm and the Linear it feeds, as Transformer Engine's LayerNormLinear: y = linear(norm(x))
+/// for x [..., dim], y [..., out]. Where the Linear can take its FP8 input from the producer (per-
+/// tensor delayed scaling, Fusion::norm_cast), the norm writes it in its own pass and the
+/// high-precision norm output is not made; otherwise the Linear casts that output. Fills both
+/// records; a recompute (ForwardMode::recompute, linear_saved from the original's snapshot) gives
+/// bitwise the original's.
+Tensor norm_linear_forward(const Norm& norm, Linear& linear, const Tensor& x,
+                           Norm::Saved& norm_saved, Linear::Saved& linear_saved,
+                           ForwardMode mode = ForwardMode::normal);
+/// dx [..., dim] (x's dtype) from dy [..., out]; accumulates the Linear's and the norm's gradients.
+Tensor norm_linear_backward(Norm& norm, Linear& linear, const Tensor& dy,
+                            const Norm::Saved& norm_saved, const Linear::Saved& linear_saved);
 
 /// Causal multi-head self-attention: qkv = Linear(dim, 3 dim), optional RoPE on q and k,
 /// attention, proj = Linear(dim, dim).
