@@ -36,7 +36,7 @@ extern "C" {
 /** The version of this API. Additions bump the minor version; a change of an existing signature
  * or meaning bumps the major. */
 #define OCTET_C_API_VERSION_MAJOR 1
-#define OCTET_C_API_VERSION_MINOR 0
+#define OCTET_C_API_VERSION_MINOR 1
 
 typedef enum octet_status {
   OCTET_OK = 0,
@@ -192,14 +192,33 @@ OCTET_API octet_status octet_gemm_fp8(const octet_qtensor* a, int a_transposed,
 OCTET_API octet_status octet_linear_create(int64_t in_features, int64_t out_features, int bias,
                                            DLDevice device, uint64_t seed,
                                            octet_dtype compute_dtype, octet_linear** out);
+/** The norm a Linear may apply to its input first, as Transformer Engine's LayerNormLinear. */
+typedef enum octet_norm {
+  OCTET_NORM_NONE = 0,
+  OCTET_NORM_LAYERNORM = 1, /* (x - mean) * rstd * gamma + beta */
+  OCTET_NORM_RMSNORM = 2,   /* x * rstd * gamma */
+} octet_norm;
+/** A Linear whose input goes through a norm over in_features first: y = norm(x) W^T + b, with
+ * FP32 gamma (ones), for LayerNorm beta (zeros), and epsilon `eps` (> 0). Under per-tensor delayed
+ * scaling the norm writes the GEMM's FP8 input in its own pass, so x is read once. Every other
+ * call is the Linear's: backward also adds to the norm's gradients, zero_grad zeroes them, the
+ * OCTET_LINEAR_NORM_* views show the norm's tensors; the FP8 state is the GEMM's alone.
+ * norm = OCTET_NORM_NONE makes a plain Linear (eps is then ignored). */
+OCTET_API octet_status octet_linear_create_normed(int64_t in_features, int64_t out_features,
+                                                  int bias, octet_norm norm, float eps,
+                                                  DLDevice device, uint64_t seed,
+                                                  octet_dtype compute_dtype, octet_linear** out);
 OCTET_API void octet_linear_destroy(octet_linear* linear);
+/** The Linear's norm and its epsilon: OCTET_NORM_NONE and 0 without one. Either may be NULL. */
+OCTET_API octet_status octet_linear_norm_info(const octet_linear* linear, octet_norm* norm,
+                                              float* eps);
 /** in_features, out_features, has_bias, device. Any pointer may be NULL. */
 OCTET_API octet_status octet_linear_info(const octet_linear* linear, int64_t* in_features,
                                          int64_t* out_features, int* has_bias, DLDevice* device);
 
-/** y [..., out] (x's dtype) = x [..., in] W^T + b. x (f32 or bf16, on the module's device) is
- * consumed: octet calls its deleter (if any) exactly once, when it no longer needs it, also when
- * the call fails. mode RECOMPUTE needs `original`, the record of the forward being recomputed
+/** y [..., out] (x's dtype) = x [..., in] W^T + b, or norm(x) W^T + b with a norm. x (f32 or
+ * bf16, on the module's device) is consumed: octet calls its deleter (if any) exactly once, when
+ * it no longer needs it, also when the call fails. mode RECOMPUTE needs `original`, the record of the forward being recomputed
  * (its scales and weight cast are reused); otherwise `original` must be NULL. *saved receives a
  * new record for octet_linear_backward (release it with octet_saved_destroy). */
 OCTET_API octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x,
@@ -221,14 +240,20 @@ OCTET_API octet_status octet_linear_zero_grad(octet_linear* linear, int on_next_
 /** The weights were changed in place (an optimizer step): the next forward casts them again. */
 OCTET_API octet_status octet_linear_weights_updated(octet_linear* linear);
 
-/** Views (no copy) of the FP32 master weight [out, in], bias [out], and their gradients. Writing
- * through a weight view must be followed by octet_linear_weights_updated. Without a bias the bias
- * views are an error. The views keep the memory alive after octet_linear_destroy. */
+/** Views (no copy) of the FP32 master weight [out, in], bias [out], and their gradients; with a
+ * norm, its gamma [in], beta [in] (LayerNorm) and their gradients. Writing through a weight view
+ * must be followed by octet_linear_weights_updated (the norm's are read as they are). A view of a
+ * tensor the Linear does not have (a bias without bias, a norm's without a norm, beta of RMSNorm)
+ * is an error. The views keep the memory alive after octet_linear_destroy. */
 typedef enum octet_linear_tensor {
   OCTET_LINEAR_WEIGHT = 0,
   OCTET_LINEAR_BIAS = 1,
   OCTET_LINEAR_GRAD_WEIGHT = 2,
   OCTET_LINEAR_GRAD_BIAS = 3,
+  OCTET_LINEAR_NORM_WEIGHT = 4,
+  OCTET_LINEAR_NORM_BIAS = 5,
+  OCTET_LINEAR_GRAD_NORM_WEIGHT = 6,
+  OCTET_LINEAR_GRAD_NORM_BIAS = 7,
 } octet_linear_tensor;
 OCTET_API octet_status octet_linear_tensor_view(const octet_linear* linear,
                                                 octet_linear_tensor which, void* stream,

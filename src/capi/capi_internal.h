@@ -15,6 +15,7 @@
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/linear.h"
+#include "octet/nn/transformer.h"
 #include "octet/octet.h"
 
 struct octet_recipe {
@@ -32,10 +33,12 @@ struct octet_qtensor {
 
 struct octet_linear {
   octet::nn::Linear module;
+  std::optional<octet::nn::Norm> norm;  ///< applied to the input first (octet_linear_create_normed)
 };
 
 struct octet_saved {
   octet::nn::Linear::Saved saved;
+  octet::nn::Norm::Saved norm;  ///< with a norm: its input and row statistics
   const octet_linear* owner = nullptr;
   octet_forward_mode mode = OCTET_FORWARD_TRAINING;
 };

@@ -75,6 +75,13 @@ extern "C" {
 octet_status octet_linear_create(int64_t in_features, int64_t out_features, int bias,
                                  DLDevice device, uint64_t seed, octet_dtype compute_dtype,
                                  octet_linear** out) {
+  return octet_linear_create_normed(in_features, out_features, bias, OCTET_NORM_NONE, 0.0f, device,
+                                    seed, compute_dtype, out);
+}
+
+octet_status octet_linear_create_normed(int64_t in_features, int64_t out_features, int bias,
+                                        octet_norm norm, float eps, DLDevice device, uint64_t seed,
+                                        octet_dtype compute_dtype, octet_linear** out) {
   return guarded([&] {
     deref(out, "out");
     OCTET_CAPI_CHECK(in_features > 0 && out_features > 0,
@@ -84,13 +91,37 @@ octet_status octet_linear_create(int64_t in_features, int64_t out_features, int 
     OCTET_CAPI_CHECK(octet::is_high_precision(dtype),
                      "compute_dtype: expected OCTET_F32 or OCTET_BF16, got ",
                      octet::dtype_name(dtype));
+    OCTET_CAPI_CHECK(
+        norm == OCTET_NORM_NONE || norm == OCTET_NORM_LAYERNORM || norm == OCTET_NORM_RMSNORM,
+        "norm: expected OCTET_NORM_NONE, OCTET_NORM_LAYERNORM or OCTET_NORM_RMSNORM, "
+        "got ",
+        static_cast<int>(norm));
+    OCTET_CAPI_CHECK(norm == OCTET_NORM_NONE || eps > 0.0f,
+                     "eps: the norm's epsilon must be positive, got ", eps);
     const octet::Device d = octet::capi::to_device(device);
     octet::check_device_available(d);
-    *out = new octet_linear{nn::Linear(in_features, out_features, bias != 0, d, seed, dtype)};
+    auto linear = std::make_unique<octet_linear>(
+        octet_linear{nn::Linear(in_features, out_features, bias != 0, d, seed, dtype), {}});
+    if (norm != OCTET_NORM_NONE)
+      linear->norm.emplace(
+          norm == OCTET_NORM_LAYERNORM ? nn::NormKind::layernorm : nn::NormKind::rmsnorm,
+          in_features, eps, d);
+    *out = linear.release();
   });
 }
 
 void octet_linear_destroy(octet_linear* linear) { delete linear; }
+
+octet_status octet_linear_norm_info(const octet_linear* linear, octet_norm* norm, float* eps) {
+  return guarded([&] {
+    const std::optional<nn::Norm>& n = deref(linear, "linear").norm;
+    if (norm)
+      *norm = !n                                     ? OCTET_NORM_NONE
+              : n->kind() == nn::NormKind::layernorm ? OCTET_NORM_LAYERNORM
+                                                     : OCTET_NORM_RMSNORM;
+    if (eps) *eps = n ? n->eps() : 0.0f;
+  });
+}
 
 octet_status octet_linear_info(const octet_linear* linear, int64_t* in_features,
                                int64_t* out_features, int* has_bias, DLDevice* device) {
@@ -129,7 +160,10 @@ octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x, octe
     }
     const octet::Tensor xt = octet::capi::adopt(input.take(), "x");
     octet::capi::StreamJoin join(m.device(), stream);
-    const octet::Tensor yt = m.forward(xt, record->saved, fm);
+    const std::optional<nn::Norm>& norm = linear->norm;
+    const octet::Tensor yt =
+        norm ? nn::norm_linear_forward(*norm, m, xt, record->norm, record->saved, fm)
+             : m.forward(xt, record->saved, fm);
     *y = octet::capi::export_tensor(yt, stream);
     *saved = record.release();
   });
@@ -149,9 +183,15 @@ octet_status octet_linear_backward(octet_linear* linear, const DLTensor* dy,
     OCTET_CAPI_CHECK(saved->saved.filled(),
                      "saved: the record's activations were released; recompute it "
                      "(OCTET_FORWARD_RECOMPUTE) before backward");
+    std::optional<nn::Norm>& norm = linear->norm;
+    OCTET_CAPI_CHECK(!norm || saved->norm.input.defined(),
+                     "saved: the record's activations were released; recompute it "
+                     "(OCTET_FORWARD_RECOMPUTE) before backward");
     const octet::Tensor dyt = octet::capi::borrow(dy, "dy");
     octet::capi::StreamJoin join(m.device(), stream);
-    const octet::Tensor dxt = m.backward(dyt, saved->saved);
+    const octet::Tensor dxt =
+        norm ? nn::norm_linear_backward(*norm, m, dyt, saved->norm, saved->saved)
+             : m.backward(dyt, saved->saved);
     *dx = octet::capi::export_tensor(dxt, stream);
   });
 }
@@ -160,6 +200,7 @@ octet_status octet_saved_release_activations(octet_saved* saved) {
   return guarded([&] {
     octet_saved& s = deref(saved, "saved");
     s.saved = nn::Linear::Saved::from_snapshot(s.saved.snapshot);
+    s.norm = nn::Norm::Saved{};
   });
 }
 
@@ -169,7 +210,9 @@ octet_status octet_linear_zero_grad(octet_linear* linear, int on_next_write, voi
   return guarded([&] {
     nn::Linear& m = deref(linear, "linear").module;
     octet::capi::StreamJoin join(m.device(), stream);
-    m.zero_grad(on_next_write ? nn::ZeroGrad::on_next_write : nn::ZeroGrad::now);
+    const nn::ZeroGrad how = on_next_write ? nn::ZeroGrad::on_next_write : nn::ZeroGrad::now;
+    m.zero_grad(how);
+    if (linear->norm) linear->norm->zero_grad(how);
   });
 }
 
@@ -182,7 +225,10 @@ octet_status octet_linear_tensor_view(const octet_linear* linear, octet_linear_t
   return guarded([&] {
     const nn::Linear& m = deref(linear, "linear").module;
     deref(out, "out");
+    const std::optional<nn::Norm>& norm = linear->norm;
     const octet::Tensor* t = nullptr;
+    const bool of_norm = which >= OCTET_LINEAR_NORM_WEIGHT && which <= OCTET_LINEAR_GRAD_NORM_BIAS;
+    OCTET_CAPI_CHECK(!of_norm || norm, "the Linear has no norm (it was not created with one)");
     switch (which) {
       case OCTET_LINEAR_WEIGHT:
         t = &m.weight();
@@ -196,9 +242,23 @@ octet_status octet_linear_tensor_view(const octet_linear* linear, octet_linear_t
       case OCTET_LINEAR_GRAD_BIAS:
         t = &m.grad_bias();
         break;
+      case OCTET_LINEAR_NORM_WEIGHT:
+        t = &norm->gamma();
+        break;
+      case OCTET_LINEAR_NORM_BIAS:
+        t = &norm->beta();
+        break;
+      case OCTET_LINEAR_GRAD_NORM_WEIGHT:
+        t = &norm->grad_gamma();
+        break;
+      case OCTET_LINEAR_GRAD_NORM_BIAS:
+        t = &norm->grad_beta();
+        break;
     }
     OCTET_CAPI_CHECK(t != nullptr, "unknown octet_linear_tensor ", static_cast<int>(which));
-    OCTET_CAPI_CHECK(t->defined(), "the Linear has no bias (it was created with bias = 0)");
+    OCTET_CAPI_CHECK(t->defined(), of_norm
+                                       ? "an RMSNorm has no beta (only LayerNorm has one)"
+                                       : "the Linear has no bias (it was created with bias = 0)");
     octet::capi::StreamJoin join(m.device(), stream);
     *out = octet::capi::export_tensor(*t, stream);
   });

@@ -629,6 +629,121 @@ static void test_linear(void) {
   release(bias);
 }
 
+/* A Linear with a LayerNorm in front: y = norm(x) W^T + b and every gradient (x, W's through
+ * the plain Linear's path, gamma, beta) against the norm computed here in double. */
+static void test_normed_linear(void) {
+  enum { ROWS = 32, IN = 64, OUT = 16 };
+  static float x[ROWS * IN], dy[ROWS * OUT], h[ROWS * IN];
+  static double xhat[ROWS * IN], rstd[ROWS], dh[ROWS * IN];
+  fill(x, ROWS * IN, -2.0f, 2.0f);
+  fill(dy, ROWS * OUT, -1.0f, 1.0f);
+  const float eps = 1e-5f;
+  DLDevice cpu = {kDLCPU, 0};
+  octet_linear* lin = NULL;
+  OK(octet_linear_create_normed(IN, OUT, 1, OCTET_NORM_LAYERNORM, eps, cpu, 7, OCTET_F32, &lin));
+  if (!lin) return;
+  octet_norm kind = OCTET_NORM_NONE;
+  float got_eps = 0.0f;
+  OK(octet_linear_norm_info(lin, &kind, &got_eps));
+  CHECK(kind == OCTET_NORM_LAYERNORM && got_eps == eps, "norm %d, eps %g", (int)kind, got_eps);
+  DLManagedTensor *gamma = NULL, *beta = NULL, *w = NULL, *b = NULL;
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_NORM_WEIGHT, NULL, &gamma));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_NORM_BIAS, NULL, &beta));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_WEIGHT, NULL, &w));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_BIAS, NULL, &b));
+  if (!gamma || !beta || !w || !b) return;
+  float *g = (float*)gamma->dl_tensor.data, *be = (float*)beta->dl_tensor.data;
+  const float* wv = (const float*)w->dl_tensor.data;
+  fill(g, IN, 0.5f, 1.5f); /* written through the views: the next forward reads them */
+  fill(be, IN, -0.5f, 0.5f);
+  for (int r = 0; r < ROWS; ++r) {
+    double mean = 0.0, var = 0.0;
+    for (int k = 0; k < IN; ++k) mean += x[r * IN + k];
+    mean /= IN;
+    for (int k = 0; k < IN; ++k) var += (x[r * IN + k] - mean) * (x[r * IN + k] - mean);
+    rstd[r] = 1.0 / sqrt(var / IN + eps);
+    for (int k = 0; k < IN; ++k) {
+      xhat[r * IN + k] = (x[r * IN + k] - mean) * rstd[r];
+      h[r * IN + k] = (float)(xhat[r * IN + k] * g[k] + be[k]);
+    }
+  }
+  int64_t xs[2] = {ROWS, IN}, ys[2] = {ROWS, OUT};
+  DLManagedTensor xm = managed(dl_f32(x, 2, xs));
+  DLManagedTensor *y = NULL, *dx = NULL, *gg = NULL, *gbe = NULL;
+  octet_saved* saved = NULL;
+  OK(octet_linear_zero_grad(lin, 0, NULL));
+  OK(octet_linear_forward(lin, &xm, OCTET_FORWARD_TRAINING, NULL, NULL, &y, &saved));
+  if (!y) return;
+  int bad = compare_matmul((float*)y->dl_tensor.data, h, wv, (const float*)b->dl_tensor.data, ROWS,
+                           OUT, IN, IN, 1, IN, 1, 1e-5f);
+  CHECK(bad == 0, "%d outputs of the normed Linear outside 1e-5 x sum|h w|", bad);
+  DLTensor dyt = dl_f32(dy, 2, ys);
+  OK(octet_linear_backward(lin, &dyt, saved, NULL, &dx));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_GRAD_NORM_WEIGHT, NULL, &gg));
+  OK(octet_linear_tensor_view(lin, OCTET_LINEAR_GRAD_NORM_BIAS, NULL, &gbe));
+  if (!dx || !gg || !gbe) return;
+  for (int r = 0; r < ROWS; ++r)
+    for (int k = 0; k < IN; ++k) {
+      double acc = 0.0;
+      for (int j = 0; j < OUT; ++j) acc += (double)dy[r * OUT + j] * wv[j * IN + k];
+      dh[r * IN + k] = acc;
+    }
+  int dx_bad = 0, norm_bad = 0;
+  for (int r = 0; r < ROWS; ++r) {
+    double mean_d = 0.0, mean_dx = 0.0, scale = 0.0;
+    for (int k = 0; k < IN; ++k) {
+      const double d = dh[r * IN + k] * g[k];
+      mean_d += d / IN;
+      mean_dx += d * xhat[r * IN + k] / IN;
+      scale += fabs(d);
+    }
+    for (int k = 0; k < IN; ++k) {
+      const double ref = rstd[r] * (dh[r * IN + k] * g[k] - mean_d - xhat[r * IN + k] * mean_dx);
+      dx_bad += fabs(((float*)dx->dl_tensor.data)[r * IN + k] - ref) > 1e-5 * rstd[r] * scale;
+    }
+  }
+  for (int k = 0; k < IN; ++k) {
+    double dgamma = 0.0, dbeta = 0.0, mag = 0.0;
+    for (int r = 0; r < ROWS; ++r) {
+      dgamma += dh[r * IN + k] * xhat[r * IN + k];
+      dbeta += dh[r * IN + k];
+      mag += fabs(dh[r * IN + k]) * (1.0 + fabs(xhat[r * IN + k]));
+    }
+    norm_bad += fabs(((float*)gg->dl_tensor.data)[k] - dgamma) > 1e-5 * mag;
+    norm_bad += fabs(((float*)gbe->dl_tensor.data)[k] - dbeta) > 1e-5 * mag;
+  }
+  CHECK(dx_bad == 0, "%d dx values of the normed Linear off the norm's gradient", dx_bad);
+  CHECK(norm_bad == 0, "%d gamma/beta gradient values off", norm_bad);
+
+  octet_linear *plain = NULL, *rms = NULL, *bad_lin = NULL;
+  DLManagedTensor* out = NULL;
+  FAILS(octet_linear_create_normed(IN, OUT, 1, (octet_norm)7, eps, cpu, 1, OCTET_F32, &bad_lin),
+        OCTET_ERROR_INVALID_ARGUMENT, "norm");
+  FAILS(
+      octet_linear_create_normed(IN, OUT, 1, OCTET_NORM_RMSNORM, 0.0f, cpu, 1, OCTET_F32, &bad_lin),
+      OCTET_ERROR_INVALID_ARGUMENT, "epsilon must be positive");
+  OK(octet_linear_create_normed(IN, OUT, 1, OCTET_NORM_RMSNORM, eps, cpu, 1, OCTET_F32, &rms));
+  FAILS(octet_linear_tensor_view(rms, OCTET_LINEAR_NORM_BIAS, NULL, &out),
+        OCTET_ERROR_INVALID_ARGUMENT, "RMSNorm has no beta");
+  OK(octet_linear_create(IN, OUT, 1, cpu, 1, OCTET_F32, &plain));
+  FAILS(octet_linear_tensor_view(plain, OCTET_LINEAR_NORM_WEIGHT, NULL, &out),
+        OCTET_ERROR_INVALID_ARGUMENT, "no norm");
+  OK(octet_linear_norm_info(plain, &kind, &got_eps));
+  CHECK(kind == OCTET_NORM_NONE && got_eps == 0.0f, "a plain Linear reports norm %d", (int)kind);
+  release(y);
+  release(dx);
+  release(gg);
+  release(gbe);
+  release(gamma);
+  release(beta);
+  release(w);
+  release(b);
+  octet_saved_destroy(saved);
+  octet_linear_destroy(plain);
+  octet_linear_destroy(rms);
+  octet_linear_destroy(lin);
+}
+
 int main(void) {
   const char* env = getenv("OCTET_TEST_SEED");
   const uint64_t seed = env ? strtoull(env, NULL, 10) : 20261201u;
@@ -644,6 +759,7 @@ int main(void) {
   test_quantize();
   test_gemm();
   test_linear();
+  test_normed_linear();
   printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
   return failed == 0 ? 0 : 1;
 }
