@@ -347,7 +347,9 @@ def gemm(a: QuantizedTensor, b: QuantizedTensor, out=None, bias=None, alpha=1.0,
 # Linear (framework-free; octet.torch.Linear wraps it in a torch.nn.Module)
 
 _FORWARD_MODES = {"training": 0, "recompute": 1, "inference": 2}
-_LINEAR_TENSORS = {"weight": 0, "bias": 1, "grad_weight": 2, "grad_bias": 3}
+_LINEAR_TENSORS = {"weight": 0, "bias": 1, "grad_weight": 2, "grad_bias": 3, "norm_weight": 4,
+                   "norm_bias": 5, "grad_norm_weight": 6, "grad_norm_bias": 7}
+_NORMS = {"layernorm": 1, "rmsnorm": 2}  # none: 0
 
 
 def _parse_device(device):
@@ -383,15 +385,24 @@ class Linear:
     """octet's Linear with explicit forward and backward over DLPack tensors:
     y, record = lin.forward(x); dx = lin.backward(dy, record). Gradients accumulate until
     zero_grad(). Outputs come back as NumPy arrays on the CPU, PyTorch tensors on a GPU (or pass
-    `convert`, a function of a DLPack object)."""
+    `convert`, a function of a DLPack object).
 
-    def __init__(self, in_features, out_features, bias=True, device="cpu", dtype="float32", seed=0):
+    norm='layernorm' or 'rmsnorm' puts a norm over in_features before the GEMM (Transformer
+    Engine's LayerNormLinear): y = norm(x) W^T + b, its gamma (ones) and beta (zeros, LayerNorm)
+    in FP32 with epsilon `eps`; under delayed scaling the norm writes the GEMM's FP8 input itself."""
+
+    def __init__(self, in_features, out_features, bias=True, device="cpu", dtype="float32", seed=0,
+                 norm=None, eps=1e-5):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.device = _parse_device(device)
+        self.norm = norm
         self._handle = ctypes.c_void_p()
-        _lib.call("octet_linear_create", self.in_features, self.out_features, int(bool(bias)),
-                  self.device, int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
+        _lib.call("octet_linear_create_normed", self.in_features, self.out_features,
+                  int(bool(bias)), 0 if norm is None else _enum(_NORMS, norm, "norm"),
+                  float(eps), self.device,
+                  int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
         self.has_bias = bool(bias)
+        self.has_norm_bias = norm == "layernorm"
 
     def forward(self, x, mode="training", original: Record | None = None, stream=None,
                 convert=_to_array):
@@ -425,7 +436,8 @@ class Linear:
         return convert(_lib.Exported(dx.value))
 
     def view(self, which, stream=None, convert=_to_array):
-        """A view (no copy) of 'weight', 'bias', 'grad_weight' or 'grad_bias' (float32)."""
+        """A view (no copy) of 'weight', 'bias', 'grad_weight' or 'grad_bias' (float32); with a
+        norm also 'norm_weight' (gamma), 'norm_bias' (beta) and their 'grad_' views."""
         out = ctypes.c_void_p()
         _lib.call("octet_linear_tensor_view", self._handle, _enum(_LINEAR_TENSORS, which, "which"),
                   stream or 0, ctypes.byref(out))
@@ -435,6 +447,8 @@ class Linear:
     bias = property(lambda self: self.view("bias") if self.has_bias else None)
     grad_weight = property(lambda self: self.view("grad_weight"))
     grad_bias = property(lambda self: self.view("grad_bias") if self.has_bias else None)
+    norm_weight = property(lambda self: self.view("norm_weight") if self.norm else None)
+    norm_bias = property(lambda self: self.view("norm_bias") if self.has_norm_bias else None)
 
     def zero_grad(self, on_next_write=False, stream=None):
         _lib.call("octet_linear_zero_grad", self._handle, int(bool(on_next_write)), stream or 0)

@@ -67,6 +67,24 @@ def _library_path() -> str:
 
 lib = ctypes.CDLL(_library_path())
 
+# The C API this package calls: major 1, with octet_linear_create_normed (minor 1).
+_API_MAJOR, _API_MINOR = 1, 1
+
+
+def _check_api_version():
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    lib.octet_version.argtypes = [ctypes.POINTER(ctypes.c_int)] * 2 + [ctypes.c_void_p]
+    lib.octet_version.restype = None
+    lib.octet_version(ctypes.byref(major), ctypes.byref(minor), None)
+    if major.value != _API_MAJOR or minor.value < _API_MINOR:
+        raise ImportError(
+            f"octet: {lib._name} has C API {major.value}.{minor.value}; this package needs "
+            f"{_API_MAJOR}.{_API_MINOR} or a later {_API_MAJOR}.x: rebuild the library or "
+            "reinstall with `pip install ./python`")
+
+
+_check_api_version()
+
 _c = ctypes
 _p = ctypes.c_void_p  # handles, streams, and tensors passed by address (a DLTensor is at offset 0)
 _pp = ctypes.POINTER(ctypes.c_void_p)
@@ -97,7 +115,10 @@ _SIGNATURES = {
     "octet_gemm_fp8": [_p, _c.c_int, _p, _c.c_int, _p, _p, _c.c_float, _c.c_float, _c.c_int, _p],
     "octet_linear_create": [_c.c_int64, _c.c_int64, _c.c_int, DLDevice, _c.c_uint64, _c.c_int,
                             _pp],
+    "octet_linear_create_normed": [_c.c_int64, _c.c_int64, _c.c_int, _c.c_int, _c.c_float,
+                                   DLDevice, _c.c_uint64, _c.c_int, _pp],
     "octet_linear_info": [_p, _i64p, _i64p, _intp, ctypes.POINTER(DLDevice)],
+    "octet_linear_norm_info": [_p, _intp, ctypes.POINTER(ctypes.c_float)],
     "octet_linear_forward": [_p, _p, _c.c_int, _p, _p, _pp, _pp],
     "octet_linear_backward": [_p, _p, _p, _p, _pp],
     "octet_saved_release_activations": [_p],

@@ -22,7 +22,7 @@ import torch
 
 import octet
 
-__all__ = ["Linear"]
+__all__ = ["Linear", "LayerNormLinear"]
 
 _COMPUTE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -66,8 +66,12 @@ class _LinearFunction(torch.autograd.Function):
                     "torch.utils.checkpoint(..., use_reentrant=False)")
             mode = "recompute"
         else:
-            # Grad mode is off inside Function.forward: the module passes it in.
-            mode = "training" if grad_enabled and any(ctx.needs_input_grad[:3]) else "inference"
+            # Grad mode is off inside Function.forward: the module passes it in. A norm's gamma
+            # and beta are no inputs of the Function; their gradients go to .grad as the
+            # weight's do.
+            wants_grad = any(ctx.needs_input_grad[:3]) or any(
+                p.requires_grad for p in module._params())
+            mode = "training" if grad_enabled and wants_grad else "inference"
         y, record = module._core.forward(_to_dlpack(x), mode, original, _stream(device), _to_torch)
         ctx.record, ctx.module, ctx.finalize = record, module, None
         if mode == "training":
@@ -98,6 +102,9 @@ class Linear(torch.nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, device=None, dtype=None, seed=None):
         super().__init__()
+        self._build(in_features, out_features, bias, device, dtype, seed, norm=None, eps=0.0)
+
+    def _build(self, in_features, out_features, bias, device, dtype, seed, norm, eps):
         self.in_features, self.out_features = int(in_features), int(out_features)
         device = torch.device(device) if device is not None else torch.device("cpu")
         if device.type == "cuda":
@@ -112,13 +119,19 @@ class Linear(torch.nn.Module):
             raise octet.OctetValueError(f"octet.torch.Linear: dtype must be float32 or bfloat16, got {compute}")
         if seed is None:  # follows torch.manual_seed
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        self._core = octet.Linear(in_features, out_features, bias, str(device), _COMPUTE[compute], seed)
+        self._core = octet.Linear(in_features, out_features, bias, str(device), _COMPUTE[compute], seed,
+                                  norm=norm, eps=eps)
         self.weight = torch.nn.Parameter(self._view("weight"))
         self.bias = torch.nn.Parameter(self._view("bias")) if bias else None
+        # The norm's gamma and beta under Transformer Engine's names (LayerNormLinear).
+        if norm is not None:
+            self.layer_norm_weight = torch.nn.Parameter(self._view("norm_weight"))
+        if norm == "layernorm":
+            self.layer_norm_bias = torch.nn.Parameter(self._view("norm_bias"))
         self._versions = self._param_versions()
         self._ptrs = tuple(p.data_ptr() for p in self._params())
-        # octet's gradient memory never moves: one view each, made once.
-        self._grad_views = [self._view("grad_weight")] + ([self._view("grad_bias")] if bias else [])
+        # octet's gradient memory never moves: one view each, made once, in _params()'s order.
+        self._grad_views = [self._view("grad_" + name) for name in self._param_names()]
         self._grad_ptrs = tuple(v.data_ptr() for v in self._grad_views)
         self._records = []
         self._recipe = None  # the recipe of the FP8 state (set by the first FP8 forward or a load)
@@ -128,11 +141,22 @@ class Linear(torch.nn.Module):
     def _view(self, which):
         return self._core.view(which, _stream(self._device), _to_torch)
 
-    def _params(self):
-        """(weight,) or (weight, bias), read from _parameters (no Module.__getattr__)."""
+    # octet's view of each parameter, in the order of _params().
+    _OCTET_NAMES = {"weight": "weight", "bias": "bias", "layer_norm_weight": "norm_weight",
+                    "layer_norm_bias": "norm_bias"}
+
+    def _param_names(self):
+        """octet's names of the parameters the module has: weight, then bias, norm_weight and
+        norm_bias where present."""
         params = self._parameters
-        bias = params.get("bias")
-        return (params["weight"],) if bias is None else (params["weight"], bias)
+        return [octet_name for name, octet_name in self._OCTET_NAMES.items()
+                if params.get(name) is not None]
+
+    def _params(self):
+        """The parameters in _param_names()'s order, read from _parameters (no
+        Module.__getattr__)."""
+        params = self._parameters
+        return tuple(params[name] for name in self._OCTET_NAMES if params.get(name) is not None)
 
     def _param_versions(self):
         return tuple([p._version for p in self._params()])
@@ -246,5 +270,26 @@ class Linear(torch.nn.Module):
                                      torch.is_grad_enabled())
 
     def extra_repr(self):
+        norm = f", normalization={self._core.norm}" if self._core.norm else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
-               f"bias={self.bias is not None}, device={self._device}"
+               f"bias={self.bias is not None}{norm}, device={self._device}"
+
+
+class LayerNormLinear(Linear):
+    """Transformer Engine's LayerNormLinear: y = Linear(norm(x)), the norm over in_features
+    ('LayerNorm' or 'RMSNorm', epsilon `eps`) with FP32 parameters layer_norm_weight (ones) and,
+    for LayerNorm, layer_norm_bias (zeros). Under fp8_autocast with delayed scaling the norm writes
+    the GEMM's FP8 input in its own pass over x (no high-precision norm output is made); everything
+    else (parameters, FP8 state, checkpointing) is as octet.torch.Linear."""
+
+    _NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+
+    def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
+                 device=None, dtype=None, seed=None):
+        torch.nn.Module.__init__(self)
+        norm = self._NORMALIZATIONS.get(normalization)
+        if norm is None:
+            raise octet.OctetValueError(
+                f"octet.torch.LayerNormLinear: normalization must be 'LayerNorm' or 'RMSNorm', "
+                f"got {normalization!r}")
+        self._build(in_features, out_features, bias, device, dtype, seed, norm=norm, eps=eps)

@@ -111,6 +111,85 @@ def test_bad_input_raises_with_octets_message():
         ot.Linear(4, 4, dtype=torch.float16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_layernorm_linear_matches_torch_norm_then_linear(normalization, device):
+    m = ot.LayerNormLinear(64, 32, eps=1e-5, normalization=normalization, device=device)
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["weight", "bias", "layer_norm_weight"] + (
+        ["layer_norm_bias"] if normalization == "LayerNorm" else [])
+    norm = (torch.nn.LayerNorm(64, eps=1e-5) if normalization == "LayerNorm"
+            else torch.nn.RMSNorm(64, eps=1e-5)).to(device)
+    lin = torch.nn.Linear(64, 32, device=device)
+    with torch.no_grad():  # gains and shifts other than ones and zeros, copied into the reference
+        m.layer_norm_weight.uniform_(0.5, 1.5)
+        norm.weight.copy_(m.layer_norm_weight)
+        if normalization == "LayerNorm":
+            m.layer_norm_bias.uniform_(-0.5, 0.5)
+            norm.bias.copy_(m.layer_norm_bias)
+        lin.weight.copy_(m.weight)
+        lin.bias.copy_(m.bias)
+    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = m(x), lin(norm(xr))
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    for mine, theirs in ((m.weight, lin.weight), (m.bias, lin.bias),
+                         (m.layer_norm_weight, norm.weight)):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    if normalization == "LayerNorm":
+        torch.testing.assert_close(m.layer_norm_bias.grad, norm.bias.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
+def test_layernorm_linear_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
+    """Under delayed scaling the second step's norm writes the GEMM's FP8 input itself, in the
+    checkpointed forward and in its recompute."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint):
+        torch.manual_seed(SEED)
+        m = ot.LayerNormLinear(64, 32, device=device)
+        with torch.no_grad():
+            m.layer_norm_weight.uniform_(0.5, 1.5)
+        x = torch.randn(32, 64, device=device, requires_grad=True)
+        r, reg = octet.Recipe.from_name(recipe), octet.Registry()
+        grads = []
+        for _ in range(2):
+            with octet.fp8_autocast(r, registry=reg):
+                y = checkpoint(m, x, use_reentrant=False) if use_checkpoint else m(x)
+            y.square().sum().backward()
+            grads.append([t.grad.clone() for t in (x, m.weight, m.layer_norm_weight,
+                                                   m.layer_norm_bias)])
+        return grads, reg.update_counts
+
+    plain, counts = run(False)
+    ckpt, counts_ckpt = run(True)
+    assert counts == counts_ckpt
+    for a, b in zip(plain, ckpt):
+        for ga, gb in zip(a, b):
+            assert ga.cpu().numpy().tobytes() == gb.cpu().numpy().tobytes()
+
+
+def test_layernorm_linear_state_dict_and_bad_input():
+    a = ot.LayerNormLinear(32, 16)
+    with torch.no_grad():
+        a.layer_norm_weight.uniform_(0.5, 1.5)
+    b = ot.LayerNormLinear(32, 16)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.layer_norm_weight, b.layer_norm_weight)
+    x = torch.randn(8, 32)
+    assert torch.equal(a(x), b(x))
+    with pytest.raises(octet.OctetValueError, match="LayerNorm' or 'RMSNorm"):
+        ot.LayerNormLinear(32, 16, normalization="BatchNorm")
+    with pytest.raises(octet.OctetError, match="32"):
+        a(torch.randn(8, 16))
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_cuda_tensor_on_another_device_than_the_module():
     lin = ot.Linear(64, 32, device="cuda:0")
