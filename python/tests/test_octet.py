@@ -226,9 +226,11 @@ def test_linear_views_share_octets_memory_and_gradients_accumulate(rng):
     np.testing.assert_array_equal(y, np.broadcast_to(lin.bias, y.shape))
 
 
-def test_recompute_gives_bitwise_the_same_gradients(rng):
+@pytest.mark.parametrize("norm", [None, "layernorm"])
+def test_recompute_gives_bitwise_the_same_gradients(rng, norm):
     recipe = octet.Recipe.delayed(amax_history_len=4)
-    lin = octet.Linear(64, 32, seed=11)
+    lin = octet.Linear(64, 32, seed=11, norm=norm)
+    grad_names = ["grad_weight"] + (["grad_norm_weight", "grad_norm_bias"] if norm else [])
     x = rng.uniform(-1, 1, (48, 64)).astype(np.float32)
     dy = rng.uniform(-1, 1, (48, 32)).astype(np.float32)
     reg = octet.Registry()
@@ -238,7 +240,7 @@ def test_recompute_gives_bitwise_the_same_gradients(rng):
         lin.zero_grad(on_next_write=True)
         dx = lin.backward(dy, record)
         reg.finalize_backward()
-    grad = lin.grad_weight.copy()
+    grads = [lin.view(name).copy() for name in grad_names]
     counts = lin.fp8_update_counts
     record.release_activations()
     with pytest.raises(octet.OctetValueError, match="released"):
@@ -247,7 +249,8 @@ def test_recompute_gives_bitwise_the_same_gradients(rng):
     lin.zero_grad(on_next_write=True)
     dx2 = lin.backward(dy, again)
     assert y.tobytes() == y2.tobytes() and dx.tobytes() == dx2.tobytes()
-    assert grad.tobytes() == lin.grad_weight.tobytes()
+    for name, grad in zip(grad_names, grads):
+        assert grad.tobytes() == lin.view(name).tobytes(), name
     assert lin.fp8_update_counts == counts
 
 
@@ -334,30 +337,6 @@ def test_a_normed_linear_is_the_norm_then_the_linear(rng, norm, recipe):
     assert rel_l2(lin.view("grad_norm_weight"), (dh * xhat.reshape(-1, 64)).sum(axis=0)) < rel
     if norm == "layernorm":
         assert rel_l2(lin.view("grad_norm_bias"), dh.sum(axis=0)) < rel
-
-
-def test_a_normed_linear_recomputes_bitwise(rng):
-    recipe = octet.Recipe.delayed(amax_history_len=4)
-    lin = octet.Linear(64, 32, seed=11, norm="layernorm")
-    x = rng.uniform(-1, 1, (48, 64)).astype(np.float32)
-    dy = rng.uniform(-1, 1, (48, 32)).astype(np.float32)
-    reg = octet.Registry()
-    for _ in range(2):
-        with octet.fp8_autocast(recipe, registry=reg):
-            y, record = lin.forward(x)
-        lin.zero_grad(on_next_write=True)
-        dx = lin.backward(dy, record)
-        reg.finalize_backward()
-    grads = [lin.view(n).copy() for n in ("grad_weight", "grad_norm_weight", "grad_norm_bias")]
-    record.release_activations()
-    with pytest.raises(octet.OctetValueError, match="released"):
-        lin.backward(dy, record)
-    y2, again = lin.forward(x, mode="recompute", original=record)
-    lin.zero_grad(on_next_write=True)
-    dx2 = lin.backward(dy, again)
-    assert y.tobytes() == y2.tobytes() and dx.tobytes() == dx2.tobytes()
-    for name, g in zip(("grad_weight", "grad_norm_weight", "grad_norm_bias"), grads):
-        assert g.tobytes() == lin.view(name).tobytes(), name
 
 
 def test_bad_normed_linears_raise():

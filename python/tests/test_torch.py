@@ -56,6 +56,17 @@ def test_an_optimizer_step_is_seen_by_the_next_forward():
     assert torch.all((lin(x) - (x @ w.T + b)).abs() <= bound)
 
 
+def assert_checkpoint_changes_no_bit(run):
+    """run(use_checkpoint) -> (gradients of each step, the registry's update counts): the same
+    counts and bitwise the same gradients with torch.utils.checkpoint as without."""
+    plain, counts = run(False)
+    ckpt, counts_ckpt = run(True)
+    assert counts == counts_ckpt
+    for a, b in zip(plain, ckpt):
+        for ga, gb in zip(a, b):
+            assert ga.cpu().numpy().tobytes() == gb.cpu().numpy().tobytes()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current", "fp8-block", "fp8-mxfp8"])
 def test_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
@@ -76,12 +87,7 @@ def test_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
             grads.append([t.grad.clone() for t in (x, l1.weight, l1.bias, l2.weight)])
         return grads, reg.update_counts
 
-    plain, counts = run(False)
-    ckpt, counts_ckpt = run(True)
-    assert counts == counts_ckpt
-    for a, b in zip(plain, ckpt):
-        for ga, gb in zip(a, b):
-            assert ga.cpu().numpy().tobytes() == gb.cpu().numpy().tobytes()
+    assert_checkpoint_changes_no_bit(run)
 
 
 def test_state_dict_round_trips_parameters_and_fp8_state(tmp_path):
@@ -167,12 +173,7 @@ def test_layernorm_linear_checkpoint_gives_bitwise_the_same_gradients(recipe, de
                                                    m.layer_norm_bias)])
         return grads, reg.update_counts
 
-    plain, counts = run(False)
-    ckpt, counts_ckpt = run(True)
-    assert counts == counts_ckpt
-    for a, b in zip(plain, ckpt):
-        for ga, gb in zip(a, b):
-            assert ga.cpu().numpy().tobytes() == gb.cpu().numpy().tobytes()
+    assert_checkpoint_changes_no_bit(run)
 
 
 def test_layernorm_linear_state_dict_and_bad_input():
