@@ -93,13 +93,17 @@ def main():
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--small", default="128,1024,1024",
+                   help="M,K,N of the per-call overhead case (e.g. 16,16,16 on a CPU, where the "
+                        "issue's 128x1024x1024 is mostly arithmetic)")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     dev = a.device
     recipe = octet.Recipe.delayed()
     results = {}
-    for name, (m, k, n) in {"large": (a.m, a.k, a.n), "small": (128, 1024, 1024)}.items():
+    small = tuple(int(v) for v in a.small.split(","))
+    for name, (m, k, n) in {"large": (a.m, a.k, a.n), "small": small}.items():
         # A small call takes about a millisecond on a GPU: more calls for a steadier median.
         iters = max(a.iters, 200) if name == "small" and dev.startswith("cuda") else a.iters
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -128,6 +128,9 @@ class Linear(torch.nn.Module):
             self.layer_norm_weight = torch.nn.Parameter(self._view("norm_weight"))
         if norm == "layernorm":
             self.layer_norm_bias = torch.nn.Parameter(self._view("norm_bias"))
+        # The parameters' names in _OCTET_NAMES's order, fixed now: the module's memory is octet's.
+        self._param_keys = tuple(name for name in self._OCTET_NAMES
+                                 if self._parameters.get(name) is not None)
         self._versions = self._param_versions()
         self._ptrs = tuple(p.data_ptr() for p in self._params())
         # octet's gradient memory never moves: one view each, made once, in _params()'s order.
@@ -148,35 +151,41 @@ class Linear(torch.nn.Module):
     def _param_names(self):
         """octet's names of the parameters the module has: weight, then bias, norm_weight and
         norm_bias where present."""
-        params = self._parameters
-        return [octet_name for name, octet_name in self._OCTET_NAMES.items()
-                if params.get(name) is not None]
+        return [self._OCTET_NAMES[name] for name in self._param_keys]
 
     def _params(self):
         """The parameters in _param_names()'s order, read from _parameters (no
-        Module.__getattr__)."""
+        Module.__getattr__); None for one set to None since."""
         params = self._parameters
-        return tuple(params[name] for name in self._OCTET_NAMES if params.get(name) is not None)
+        return tuple([params.get(name) for name in self._param_keys])
 
-    def _param_versions(self):
-        return tuple([p._version for p in self._params()])
+    def _param_versions(self, params=None):
+        return tuple([p._version for p in params or self._params()])
+
+    # Attributes that change at every call are set only when their value changes, or mutated in
+    # place: torch.nn.Module.__setattr__ costs microseconds a call.
 
     def _sync_weights(self):
-        if tuple([p.data_ptr() for p in self._params()]) != self._ptrs:
+        params = self._params()
+        try:
+            ptrs = tuple([p.data_ptr() for p in params])
+        except AttributeError:  # a parameter set to None
+            ptrs = None
+        if ptrs != self._ptrs:
             raise octet.OctetError(
                 "octet.torch.Linear: a parameter was replaced (param.data = ... or .to()); "
                 "octet's parameters must keep their memory: copy into them instead")
-        versions = self._param_versions()
+        versions = self._param_versions(params)
         if versions != self._versions:
             self._core.weights_updated()
             self._versions = versions
         scope = octet.active_scope()
-        if scope is not None:
+        if scope is not None and scope.recipe is not self._recipe:
             self._recipe = scope.recipe
 
     def _prune_records(self):
         """Keeps the records of forwards whose backward has not run yet."""
-        self._records = [r for r in self._records if (rec := r()) is not None and not rec.done]
+        self._records[:] = [r for r in self._records if (rec := r()) is not None and not rec.done]
 
     def _pending_record(self):
         self._prune_records()

@@ -103,6 +103,15 @@ def test_state_dict_round_trips_parameters_and_fp8_state(tmp_path):
     assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def test_a_replaced_parameter_raises_instead_of_training_other_memory():
+    for replace in (lambda m: setattr(m, "bias", None),
+                    lambda m: setattr(m.weight, "data", torch.randn(16, 32))):
+        lin = ot.Linear(32, 16)
+        replace(lin)
+        with pytest.raises(octet.OctetError, match="a parameter was replaced"):
+            lin(torch.randn(4, 32))
+
+
 def test_bad_input_raises_with_octets_message():
     lin = ot.Linear(64, 32)
     with pytest.raises(octet.OctetError, match="64"):
