@@ -402,7 +402,6 @@ class Linear:
                   float(eps), self.device,
                   int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
         self.has_bias = bool(bias)
-        self.has_norm_bias = norm == "layernorm"
 
     def forward(self, x, mode="training", original: Record | None = None, stream=None,
                 convert=_to_array):
@@ -448,7 +447,7 @@ class Linear:
     grad_weight = property(lambda self: self.view("grad_weight"))
     grad_bias = property(lambda self: self.view("grad_bias") if self.has_bias else None)
     norm_weight = property(lambda self: self.view("norm_weight") if self.norm else None)
-    norm_bias = property(lambda self: self.view("norm_bias") if self.has_norm_bias else None)
+    norm_bias = property(lambda self: self.view("norm_bias") if self.norm == "layernorm" else None)
 
     def zero_grad(self, on_next_write=False, stream=None):
         _lib.call("octet_linear_zero_grad", self._handle, int(bool(on_next_write)), stream or 0)

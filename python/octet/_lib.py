@@ -67,23 +67,25 @@ def _library_path() -> str:
 
 lib = ctypes.CDLL(_library_path())
 
-# The C API this package calls: major 1, with octet_linear_create_normed (minor 1).
+lib.octet_version.argtypes = [ctypes.POINTER(ctypes.c_int)] * 2 + [ctypes.POINTER(ctypes.c_char_p)]
+lib.octet_version.restype = None
+
+
+def version():
+    major, minor, lib_version = ctypes.c_int(), ctypes.c_int(), ctypes.c_char_p()
+    lib.octet_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(lib_version))
+    return major.value, minor.value, lib_version.value.decode()
+
+
+# The C API this package calls: major 1, with octet_linear_create_normed (minor 1). Checked before
+# any of its functions is looked up, so an older library gets this message, not an AttributeError.
 _API_MAJOR, _API_MINOR = 1, 1
-
-
-def _check_api_version():
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    lib.octet_version.argtypes = [ctypes.POINTER(ctypes.c_int)] * 2 + [ctypes.c_void_p]
-    lib.octet_version.restype = None
-    lib.octet_version(ctypes.byref(major), ctypes.byref(minor), None)
-    if major.value != _API_MAJOR or minor.value < _API_MINOR:
-        raise ImportError(
-            f"octet: {lib._name} has C API {major.value}.{minor.value}; this package needs "
-            f"{_API_MAJOR}.{_API_MINOR} or a later {_API_MAJOR}.x: rebuild the library or "
-            "reinstall with `pip install ./python`")
-
-
-_check_api_version()
+_major, _minor, _ = version()
+if _major != _API_MAJOR or _minor < _API_MINOR:
+    raise ImportError(
+        f"octet: {lib._name} has C API {_major}.{_minor}; this package needs "
+        f"{_API_MAJOR}.{_API_MINOR} or a later {_API_MAJOR}.x: rebuild the library or "
+        "reinstall with `pip install ./python`")
 
 _c = ctypes
 _p = ctypes.c_void_p  # handles, streams, and tensors passed by address (a DLTensor is at offset 0)
@@ -146,8 +148,6 @@ lib.octet_autocast_depth.argtypes = []
 lib.octet_autocast_depth.restype = ctypes.c_int
 lib.octet_quantize_options_init.argtypes = [ctypes.POINTER(QuantizeOptions)]
 lib.octet_quantize_options_init.restype = None
-lib.octet_version.argtypes = [_intp, _intp, _strp]
-lib.octet_version.restype = None
 
 
 _FUNCTIONS = {name: getattr(lib, name) for name in _SIGNATURES}
@@ -324,9 +324,3 @@ class _HostArray(_Owned):
             "data": (data, False),
             "version": 3,
         }
-
-
-def version():
-    major, minor, lib_version = ctypes.c_int(), ctypes.c_int(), ctypes.c_char_p()
-    lib.octet_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(lib_version))
-    return major.value, minor.value, lib_version.value.decode()

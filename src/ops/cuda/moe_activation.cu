@@ -486,29 +486,25 @@ __global__ void dbias_expert_sum_kernel(const float* partial, const int32_t* off
 bool launch_per_tensor_cast(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
                             const MoePlan& plan, const Tensor& bias, const Tensor& h, int64_t f,
                             const MoeExpertCasts& casts) {
-  if (fc1.dtype() != DType::bf16 || f % kBlockCols != 0) return false;
-  const auto aligned = [](const void* p) {
-    return p == nullptr || reinterpret_cast<uintptr_t>(p) % kVectorBytes == 0;
-  };
-  if (!aligned(fc1.raw_data()) || !aligned(quant::data_or_null<void>(h)) ||
-      !aligned(quant::data_or_null<void>(bias)))
+  if (fc1.dtype() != DType::bf16 || f % kBlockCols != 0 ||
+      !vector_aligned(
+          {fc1.raw_data(), quant::data_or_null<void>(h), quant::data_or_null<void>(bias)}))
     return false;
-  std::vector<int> used;  // experts with rows
+  std::vector<int> used;  // experts with rows, all of one FP8 dtype (a launch's)
+  DType fp8 = DType::e4m3;
   for (size_t e = 0; e < casts.experts.size(); ++e) {
     const int64_t rows = casts.offsets[e + 1] - casts.offsets[e];
     if (rows == 0) continue;
     const fp8::QuantizedTensor& q = *casts.experts[e].out;
-    if (q.mode != fp8::ScalingMode::per_tensor || rows % quant::kRunElems != 0 ||
-        !casts.experts[e].args.scale.defined() || !aligned(quant::data_or_null<void>(q.data)) ||
-        !aligned(quant::data_or_null<void>(q.data_t)))
+    if (used.empty()) fp8 = q.dtype;
+    if (q.mode != fp8::ScalingMode::per_tensor || q.dtype != fp8 || rows % quant::kRunElems != 0 ||
+        !casts.experts[e].args.scale.defined() ||
+        !vector_aligned({quant::data_or_null<void>(q.data), quant::data_or_null<void>(q.data_t)}))
       return false;
     used.push_back(static_cast<int>(e));
   }
   if (used.empty()) return true;  // no expert has rows: nothing to write
   const cudaStream_t stream = octet::cuda::stream(fc1.device());
-  const DType fp8 = casts.experts[used.front()].out->dtype;
-  for (int e : used)
-    if (casts.experts[e].out->dtype != fp8) return false;
   for (size_t begin = 0; begin < used.size(); begin += kMaxCastGroup) {
     CastGroup group{};
     group.col_tiles = ceil_div(f, static_cast<int64_t>(kCastTile));
@@ -519,25 +515,22 @@ bool launch_per_tensor_cast(MoeActivation act, const Tensor& fc1, const Tensor& 
     group.f = f;
     for (size_t i = begin; i < used.size() && group.count < kMaxCastGroup; ++i) {
       const int e = used[i];
-      const fp8::QuantizedTensor& q = *casts.experts[e].out;
-      const QuantizeArgs& args = casts.experts[e].args;
       ExpertCast& x = group.experts[group.count];
-      x.data = quant::data_or_null<uint8_t>(q.data);
-      x.data_t = quant::data_or_null<uint8_t>(q.data_t);
-      x.scale_inv = static_cast<float*>(x.data != nullptr ? q.scale_inv.raw_data()
-                                                          : q.scale_inv_t.raw_data());
-      x.scale_inv_t = x.data != nullptr && x.data_t != nullptr &&
-                              q.scale_inv_t.raw_data() != q.scale_inv.raw_data()
-                          ? static_cast<float*>(q.scale_inv_t.raw_data())
-                          : nullptr;
-      x.scale = in<float>(args.scale);
-      x.amax = quant::data_or_null<uint32_t>(args.amax);
-      x.bias = bias.defined() ? in<float>(bias) + static_cast<int64_t>(e) * f : nullptr;
       x.row0 = casts.offsets[e];
       x.rows = casts.offsets[e + 1] - casts.offsets[e];
+      // The target's pointers as the tile quantizer takes them (scale_inv_t null when shared).
+      const quant::TileParams p =
+          quant::tile_params(x.rows, f, *casts.experts[e].out, casts.experts[e].args);
+      x.data = p.data;
+      x.data_t = p.data_t;
+      x.scale_inv = static_cast<float*>(p.scale_inv != nullptr ? p.scale_inv : p.scale_inv_t);
+      x.scale_inv_t = p.scale_inv != nullptr ? static_cast<float*>(p.scale_inv_t) : nullptr;
+      x.scale = p.scale;
+      x.amax = p.amax;
+      x.bias = bias.defined() ? in<float>(bias) + static_cast<int64_t>(e) * f : nullptr;
       group.first_tile[group.count + 1] =
           group.first_tile[group.count] +
-          (x.rows / kCastTile + (x.rows % kCastTile != 0)) * group.col_tiles;
+          ceil_div(x.rows, static_cast<int64_t>(kCastTile)) * group.col_tiles;
       ++group.count;
     }
     const int64_t tiles = group.first_tile[group.count];
