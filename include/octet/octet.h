@@ -36,7 +36,7 @@ extern "C" {
 /** The version of this API. Additions bump the minor version; a change of an existing signature
  * or meaning bumps the major. */
 #define OCTET_C_API_VERSION_MAJOR 1
-#define OCTET_C_API_VERSION_MINOR 1
+#define OCTET_C_API_VERSION_MINOR 2
 
 typedef enum octet_status {
   OCTET_OK = 0,
@@ -80,7 +80,8 @@ typedef struct octet_recipe octet_recipe;     /**< an FP8 recipe (value semantic
 typedef struct octet_registry octet_registry; /**< the FP8 states finalized together per pass */
 typedef struct octet_qtensor octet_qtensor;   /**< an FP8 tensor with its scales */
 typedef struct octet_linear octet_linear;     /**< nn::Linear on one device */
-typedef struct octet_saved octet_saved;       /**< what a Linear forward keeps for backward */
+typedef struct octet_saved octet_saved;       /**< what a Linear or MLP forward keeps for backward */
+typedef struct octet_mlp octet_mlp;           /**< a norm and two Linears (LayerNormMLP) */
 
 /** The message of the last failed call on this thread ("" after a successful call). Valid until
  * the next call on this thread. */
@@ -277,6 +278,45 @@ OCTET_API octet_status octet_linear_fp8_state_set(octet_linear* linear, const oc
 /** FP8 state updates applied so far (forward and backward passes). */
 OCTET_API octet_status octet_linear_fp8_update_counts(const octet_linear* linear, int64_t* forward,
                                                       int64_t* backward);
+
+/* ---------------------------------------------------------------------------------------------
+ * MLP (API 1.2): y = fc2(act(fc1(norm(x)))), as Transformer Engine's LayerNormMLP. */
+
+typedef enum octet_activation {
+  OCTET_ACTIVATION_GELU = 0,   /* tanh GELU; fc1: hidden -> ffn */
+  OCTET_ACTIVATION_SWIGLU = 1, /* silu(gate) * up; fc1: hidden -> 2 ffn, [gate | up] */
+  OCTET_ACTIVATION_SRELU = 2,  /* max(x, 0)^2; fc1: hidden -> ffn */
+} octet_activation;
+
+/** An MLP on `device`: fc1 = Linear(hidden, ffn, or 2 ffn for SwiGLU) after the norm (or none:
+ * OCTET_NORM_NONE, eps ignored), the activation, fc2 = Linear(ffn, hidden); `bias` for both
+ * Linears. Weights as octet_linear_create's, fc1's from `seed` and fc2's from seed + 1. Under
+ * per-tensor delayed scaling the norm writes fc1's FP8 input and the activation fc2's, each in its
+ * own pass, and the activation's backward writes fc1's FP8 gradient. */
+OCTET_API octet_status octet_mlp_create(int64_t hidden, int64_t ffn, int bias,
+                                        octet_activation activation, octet_norm norm, float eps,
+                                        DLDevice device, uint64_t seed, octet_dtype compute_dtype,
+                                        octet_mlp** out);
+OCTET_API void octet_mlp_destroy(octet_mlp* mlp);
+/** hidden, ffn and the activation. Any pointer may be NULL. */
+OCTET_API octet_status octet_mlp_info(const octet_mlp* mlp, int64_t* hidden, int64_t* ffn,
+                                      octet_activation* activation);
+/** The MLP's layers as Linear handles, index 0 fc1 (which carries the norm: octet_linear_norm_info
+ * and the OCTET_LINEAR_NORM_* views) and 1 fc2: parameters, gradients, zero_grad,
+ * weights_updated and the FP8 states go through them. They belong to the MLP and live as long as
+ * it does (octet_linear_destroy ignores them). */
+OCTET_API octet_status octet_mlp_linear(octet_mlp* mlp, int index, octet_linear** out);
+/** y (x's shape and dtype) from x [..., hidden]; x is consumed and `original` used as in
+ * octet_linear_forward. */
+OCTET_API octet_status octet_mlp_forward(octet_mlp* mlp, DLManagedTensor* x,
+                                         octet_forward_mode mode, const octet_saved* original,
+                                         void* stream, DLManagedTensor** y, octet_saved** saved);
+/** dx (x's shape and dtype) from dy; adds to the gradients of the norm and both Linears. The
+ * backward frees the record's activations as it goes: afterwards the record holds what
+ * recomputing it needs, as after octet_saved_release_activations, and a second backward with it
+ * is an error until it is recomputed. */
+OCTET_API octet_status octet_mlp_backward(octet_mlp* mlp, const DLTensor* dy, octet_saved* saved,
+                                          void* stream, DLManagedTensor** dx);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -15,6 +15,7 @@
 #include "octet/fp8/recipe.h"
 #include "octet/nn/fp8_state.h"
 #include "octet/nn/linear.h"
+#include "octet/nn/mlp.h"
 #include "octet/nn/transformer.h"
 #include "octet/octet.h"
 
@@ -34,12 +35,21 @@ struct octet_qtensor {
 struct octet_linear {
   octet::nn::Linear module;
   std::optional<octet::nn::Norm> norm;  ///< applied to the input first (octet_linear_create_normed)
+  bool part_of_mlp = false;             ///< owned by an octet_mlp (octet_mlp_linear's handles)
 };
 
+struct octet_mlp {
+  octet::ops::Activation activation;
+  octet_linear fc1;  ///< with the MLP's norm, when it has one
+  octet_linear fc2;
+};
+
+/// A Linear's or an MLP's record (the owner says whose).
 struct octet_saved {
-  octet::nn::Linear::Saved saved;
-  octet::nn::Norm::Saved norm;  ///< with a norm: its input and row statistics
-  const octet_linear* owner = nullptr;
+  octet::nn::Linear::Saved saved;  ///< a Linear's
+  octet::nn::MLP::Saved mlp;       ///< an MLP's
+  octet::nn::Norm::Saved norm;     ///< with a norm: its input and row statistics
+  const void* owner = nullptr;     ///< the octet_linear or octet_mlp whose forward made it
   octet_forward_mode mode = OCTET_FORWARD_TRAINING;
 };
 
@@ -115,6 +125,43 @@ Tensor adopt(DLManagedTensor* t, const char* what);
 /// A new DLManagedTensor viewing t (FP8 and E8M0 as uint8). Holds t's storage until the deleter;
 /// CUDA memory is released after the work queued on `stream` by then.
 DLManagedTensor* export_tensor(const Tensor& t, void* stream);
+
+/// The Linear (and its norm) that octet_linear_create_normed makes, after checking every
+/// argument; octet_mlp_create builds its two layers with it.
+octet_linear make_linear(int64_t in_features, int64_t out_features, int bias, octet_norm norm,
+                         float eps, DLDevice device, uint64_t seed, octet_dtype compute_dtype);
+/// The nn::ForwardMode of a C mode (throws on an unknown one).
+nn::ForwardMode to_mode(octet_forward_mode mode);
+/// A new record for a forward of `owner` in `mode`. For a recompute it checks `original` (made by
+/// the same owner's training forward) and passes it back for its snapshots; otherwise it checks
+/// that `original` is NULL and returns nullptr.
+const octet_saved* check_original(const void* owner, octet_forward_mode mode,
+                                  const octet_saved* original, const char* module);
+/// An MLP record reduced to what recomputing it needs: both Linears' snapshots.
+inline nn::MLP::Saved snapshots_only(nn::MLP::Saved saved) {
+  nn::MLP::Saved kept;
+  kept.fc1 = nn::Linear::Saved::from_snapshot(std::move(saved.fc1.snapshot));
+  kept.fc2 = nn::Linear::Saved::from_snapshot(std::move(saved.fc2.snapshot));
+  return kept;
+}
+/// Checks a record given to `owner`'s backward (the module named `module`).
+void check_backward_record(const void* owner, const octet_saved* saved, const char* module);
+
+/// Releases a consumed input unless something took it over (octet_linear_forward's contract:
+/// its deleter runs exactly once, also when the call fails before adopting it).
+class Consumed {
+ public:
+  explicit Consumed(DLManagedTensor* t) : t_(t) {}
+  ~Consumed() {
+    if (t_ != nullptr && t_->deleter != nullptr) t_->deleter(t_);
+  }
+  Consumed(const Consumed&) = delete;
+  Consumed& operator=(const Consumed&) = delete;
+  DLManagedTensor* take() { return std::exchange(t_, nullptr); }
+
+ private:
+  DLManagedTensor* t_;
+};
 
 /// Makes octet's stream on `device` wait for the caller's `stream`, and on destruction the
 /// caller's stream wait for octet's: a call is stream-ordered on the caller's stream. `device` is

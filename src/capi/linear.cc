@@ -40,6 +40,10 @@ octet::Tensor state_tensor(octet_linear* linear, const octet_recipe* recipe, int
   return m.ensure_fp8_state(r).group(e.pass).*(e.member);
 }
 
+}  // namespace
+
+namespace octet::capi {
+
 nn::ForwardMode to_mode(octet_forward_mode mode) {
   switch (mode) {
     case OCTET_FORWARD_TRAINING:
@@ -49,26 +53,58 @@ nn::ForwardMode to_mode(octet_forward_mode mode) {
     case OCTET_FORWARD_INFERENCE:
       return nn::ForwardMode::inference;
   }
-  throw octet::capi::InvalidArgument(
-      __FILE__, __LINE__,
-      octet::detail::concat("unknown octet_forward_mode ", static_cast<int>(mode)));
+  throw InvalidArgument(__FILE__, __LINE__,
+                        detail::concat("unknown octet_forward_mode ", static_cast<int>(mode)));
 }
 
-/// Releases a consumed input unless something took it over (octet_linear_forward's contract:
-/// its deleter runs exactly once, also when the call fails before adopting it).
-class Consumed {
- public:
-  explicit Consumed(DLManagedTensor* t) : t_(t) {}
-  ~Consumed() {
-    if (t_ != nullptr && t_->deleter != nullptr) t_->deleter(t_);
+const octet_saved* check_original(const void* owner, octet_forward_mode mode,
+                                  const octet_saved* original, const char* module) {
+  if (to_mode(mode) != nn::ForwardMode::recompute) {
+    OCTET_CAPI_CHECK(original == nullptr,
+                     "original must be NULL unless mode is OCTET_FORWARD_RECOMPUTE");
+    return nullptr;
   }
-  DLManagedTensor* take() { return std::exchange(t_, nullptr); }
+  const octet_saved& o = deref(original, "original (the record of the forward to recompute)");
+  OCTET_CAPI_CHECK(o.owner == owner, "original: the record belongs to another ", module,
+                   " than the one recomputing");
+  OCTET_CAPI_CHECK(o.mode != OCTET_FORWARD_INFERENCE,
+                   "original: an inference record cannot be recomputed for backward");
+  return &o;
+}
 
- private:
-  DLManagedTensor* t_;
-};
+void check_backward_record(const void* owner, const octet_saved* saved, const char* module) {
+  OCTET_CAPI_CHECK(saved != nullptr,
+                   "saved must not be NULL: backward needs the record of a forward");
+  OCTET_CAPI_CHECK(saved->owner == owner, "saved: the record belongs to another ", module,
+                   " than the one running backward");
+  OCTET_CAPI_CHECK(saved->mode != OCTET_FORWARD_INFERENCE,
+                   "saved: the record of an inference forward cannot be used for backward");
+}
 
-}  // namespace
+octet_linear make_linear(int64_t in_features, int64_t out_features, int bias, octet_norm norm,
+                         float eps, DLDevice device, uint64_t seed, octet_dtype compute_dtype) {
+  OCTET_CAPI_CHECK(in_features > 0 && out_features > 0, "Linear features must be positive, got in ",
+                   in_features, ", out ", out_features);
+  const DType dtype = to_dtype(compute_dtype, "compute_dtype");
+  OCTET_CAPI_CHECK(is_high_precision(dtype), "compute_dtype: expected OCTET_F32 or OCTET_BF16, got ",
+                   dtype_name(dtype));
+  OCTET_CAPI_CHECK(
+      norm == OCTET_NORM_NONE || norm == OCTET_NORM_LAYERNORM || norm == OCTET_NORM_RMSNORM,
+      "norm: expected OCTET_NORM_NONE, OCTET_NORM_LAYERNORM or OCTET_NORM_RMSNORM, got ",
+      static_cast<int>(norm));
+  OCTET_CAPI_CHECK(norm == OCTET_NORM_NONE || eps > 0.0f,
+                   "eps: the norm's epsilon must be positive, got ", eps);
+  const Device d = to_device(device);
+  check_device_available(d);
+  octet_linear linear{nn::Linear(in_features, out_features, bias != 0, d, seed, dtype), {}};
+  if (norm != OCTET_NORM_NONE)
+    linear.norm.emplace(
+        norm == OCTET_NORM_LAYERNORM ? nn::NormKind::layernorm : nn::NormKind::rmsnorm,
+        in_features, eps, d);
+  return linear;
+}
+
+}  // namespace octet::capi
 
 extern "C" {
 
@@ -84,33 +120,17 @@ octet_status octet_linear_create_normed(int64_t in_features, int64_t out_feature
                                         octet_dtype compute_dtype, octet_linear** out) {
   return guarded([&] {
     deref(out, "out");
-    OCTET_CAPI_CHECK(in_features > 0 && out_features > 0,
-                     "Linear features must be positive, got in ", in_features, ", out ",
-                     out_features);
-    const octet::DType dtype = octet::capi::to_dtype(compute_dtype, "compute_dtype");
-    OCTET_CAPI_CHECK(octet::is_high_precision(dtype),
-                     "compute_dtype: expected OCTET_F32 or OCTET_BF16, got ",
-                     octet::dtype_name(dtype));
-    OCTET_CAPI_CHECK(
-        norm == OCTET_NORM_NONE || norm == OCTET_NORM_LAYERNORM || norm == OCTET_NORM_RMSNORM,
-        "norm: expected OCTET_NORM_NONE, OCTET_NORM_LAYERNORM or OCTET_NORM_RMSNORM, "
-        "got ",
-        static_cast<int>(norm));
-    OCTET_CAPI_CHECK(norm == OCTET_NORM_NONE || eps > 0.0f,
-                     "eps: the norm's epsilon must be positive, got ", eps);
-    const octet::Device d = octet::capi::to_device(device);
-    octet::check_device_available(d);
-    auto linear = std::make_unique<octet_linear>(
-        octet_linear{nn::Linear(in_features, out_features, bias != 0, d, seed, dtype), {}});
-    if (norm != OCTET_NORM_NONE)
-      linear->norm.emplace(
-          norm == OCTET_NORM_LAYERNORM ? nn::NormKind::layernorm : nn::NormKind::rmsnorm,
-          in_features, eps, d);
-    *out = linear.release();
+    *out = std::make_unique<octet_linear>(octet::capi::make_linear(
+                                              in_features, out_features, bias, norm, eps, device,
+                                              seed, compute_dtype))
+               .release();
   });
 }
 
-void octet_linear_destroy(octet_linear* linear) { delete linear; }
+void octet_linear_destroy(octet_linear* linear) {
+  if (linear == nullptr || linear->part_of_mlp) return;  // an MLP's layer goes with the MLP
+  delete linear;
+}
 
 octet_status octet_linear_norm_info(const octet_linear* linear, octet_norm* norm, float* eps) {
   return guarded([&] {
@@ -137,27 +157,18 @@ octet_status octet_linear_info(const octet_linear* linear, int64_t* in_features,
 octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x, octet_forward_mode mode,
                                   const octet_saved* original, void* stream, DLManagedTensor** y,
                                   octet_saved** saved) {
-  Consumed input(x);
+  octet::capi::Consumed input(x);
   return guarded([&] {
     nn::Linear& m = deref(linear, "linear").module;
     deref(y, "y");
     deref(saved, "saved");
     OCTET_CAPI_CHECK(x != nullptr, "x must not be NULL");
-    const nn::ForwardMode fm = to_mode(mode);
+    const nn::ForwardMode fm = octet::capi::to_mode(mode);
+    const octet_saved* o = octet::capi::check_original(linear, mode, original, "Linear");
     auto record = std::make_unique<octet_saved>();
     record->owner = linear;
     record->mode = mode;
-    if (fm == nn::ForwardMode::recompute) {
-      const octet_saved& o = deref(original, "original (the record of the forward to recompute)");
-      OCTET_CAPI_CHECK(o.owner == linear,
-                       "original: the record belongs to another Linear than the one recomputing");
-      OCTET_CAPI_CHECK(o.mode != OCTET_FORWARD_INFERENCE,
-                       "original: an inference record cannot be recomputed for backward");
-      record->saved = nn::Linear::Saved::from_snapshot(o.saved.snapshot);
-    } else {
-      OCTET_CAPI_CHECK(original == nullptr,
-                       "original must be NULL unless mode is OCTET_FORWARD_RECOMPUTE");
-    }
+    if (o != nullptr) record->saved = nn::Linear::Saved::from_snapshot(o->saved.snapshot);
     const octet::Tensor xt = octet::capi::adopt(input.take(), "x");
     octet::capi::StreamJoin join(m.device(), stream);
     const std::optional<nn::Norm>& norm = linear->norm;
@@ -174,12 +185,7 @@ octet_status octet_linear_backward(octet_linear* linear, const DLTensor* dy,
   return guarded([&] {
     nn::Linear& m = deref(linear, "linear").module;
     deref(dx, "dx");
-    OCTET_CAPI_CHECK(saved != nullptr,
-                     "saved must not be NULL: backward needs the record of a forward");
-    OCTET_CAPI_CHECK(saved->owner == linear,
-                     "saved: the record belongs to another Linear than the one running backward");
-    OCTET_CAPI_CHECK(saved->mode != OCTET_FORWARD_INFERENCE,
-                     "saved: the record of an inference forward cannot be used for backward");
+    octet::capi::check_backward_record(linear, saved, "Linear");
     OCTET_CAPI_CHECK(saved->saved.filled(),
                      "saved: the record's activations were released; recompute it "
                      "(OCTET_FORWARD_RECOMPUTE) before backward");
@@ -199,7 +205,8 @@ octet_status octet_linear_backward(octet_linear* linear, const DLTensor* dy,
 octet_status octet_saved_release_activations(octet_saved* saved) {
   return guarded([&] {
     octet_saved& s = deref(saved, "saved");
-    s.saved = nn::Linear::Saved::from_snapshot(s.saved.snapshot);
+    s.saved = nn::Linear::Saved::from_snapshot(std::move(s.saved.snapshot));
+    s.mlp = octet::capi::snapshots_only(std::move(s.mlp));
     s.norm = nn::Norm::Saved{};
   });
 }

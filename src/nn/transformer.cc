@@ -141,30 +141,68 @@ void Norm::settle_grad() {
   if (grads_unwritten_) zero_grad(ZeroGrad::now);
 }
 
+namespace {
+
+/// x viewed as [rows, dim] after checking it against the norm; `who` names the caller.
+Tensor norm_rows(const Norm& norm, const Tensor& x, const char* who) {
+  OCTET_CHECK(x.defined() && x.ndim() >= 1 && x.size(-1) == norm.dim(), who, ": the norm (dim ",
+              norm.dim(), ") expects an input [..., ", norm.dim(), "], got ",
+              x.defined() ? x.describe() : "none");
+  return x.view({-1, norm.dim()});
+}
+
+/// norm(x2) as `consumer`'s input: where the Linear can take its FP8 input from the producer, the
+/// norm writes it and returns no high-precision output (an undefined tensor).
+Tensor norm_into(const Norm& norm, Linear& consumer, const Tensor& x2, Norm::Saved& norm_saved,
+                 Linear::Saved& consumer_saved, ForwardMode mode) {
+  const auto fused = fusion_enabled(Fusion::norm_cast)
+                         ? consumer.fused_input(x2.rows(), x2.dtype(), consumer_saved, mode)
+                         : std::nullopt;
+  return norm.forward(x2, norm_saved, fused ? &*fused : nullptr, /*output=*/!fused);
+}
+
+/// `t` [rows, cols] viewed with like's leading dimensions: [..., cols].
+Tensor with_leading_dims(const Tensor& t, const Tensor& like) {
+  Shape shape = like.shape();
+  shape.back() = t.size(-1);
+  return t.view(shape);
+}
+
+/// dy viewed as [rows, cols] after checking its last dimension; `who` names the caller.
+Tensor grad_rows(const Tensor& dy, int64_t cols, const char* who) {
+  OCTET_CHECK(dy.defined() && dy.ndim() >= 1 && dy.size(-1) == cols, who, ": expected dy [..., ",
+              cols, "], got ", dy.defined() ? dy.describe() : "none");
+  return dy.view({-1, cols});
+}
+
+}  // namespace
+
 Tensor norm_linear_forward(const Norm& norm, Linear& linear, const Tensor& x,
                            Norm::Saved& norm_saved, Linear::Saved& linear_saved, ForwardMode mode) {
-  OCTET_CHECK(x.defined() && x.ndim() >= 1 && x.size(-1) == norm.dim(),
-              "norm_linear_forward: the norm (dim ", norm.dim(), ") expects an input [..., ",
-              norm.dim(), "], got ", x.defined() ? x.describe() : "none");
-  const Tensor x2 = x.view({-1, norm.dim()});
-  const auto fused = fusion_enabled(Fusion::norm_cast)
-                         ? linear.fused_input(x2.rows(), x.dtype(), linear_saved, mode)
-                         : std::nullopt;
-  const Tensor h = norm.forward(x2, norm_saved, fused ? &*fused : nullptr, /*output=*/!fused);
-  Shape y_shape = x.shape();
-  y_shape.back() = linear.out_features();
-  return linear.forward(h, linear_saved, mode).view(y_shape);
+  const Tensor x2 = norm_rows(norm, x, "norm_linear_forward");
+  const Tensor h = norm_into(norm, linear, x2, norm_saved, linear_saved, mode);
+  return with_leading_dims(linear.forward(h, linear_saved, mode), x);
 }
 
 Tensor norm_linear_backward(Norm& norm, Linear& linear, const Tensor& dy,
                             const Norm::Saved& norm_saved, const Linear::Saved& linear_saved) {
-  OCTET_CHECK(dy.defined() && dy.ndim() >= 1 && dy.size(-1) == linear.out_features(),
-              "norm_linear_backward: expected dy [..., ", linear.out_features(), "], got ",
-              dy.defined() ? dy.describe() : "none");
-  const Tensor dh = linear.backward(dy.view({-1, linear.out_features()}), linear_saved);
-  Shape dx_shape = dy.shape();
-  dx_shape.back() = norm.dim();
-  return norm.backward(dh, norm_saved).view(dx_shape);
+  const Tensor dy2 = grad_rows(dy, linear.out_features(), "norm_linear_backward");
+  return with_leading_dims(norm.backward(linear.backward(dy2, linear_saved), norm_saved), dy);
+}
+
+Tensor norm_mlp_forward(const Norm& norm, ops::Activation activation, Linear& fc1, Linear& fc2,
+                        const Tensor& x, Norm::Saved& norm_saved, MLP::Saved& mlp_saved,
+                        ForwardMode mode) {
+  const Tensor x2 = norm_rows(norm, x, "norm_mlp_forward");
+  const Tensor h = norm_into(norm, fc1, x2, norm_saved, mlp_saved.fc1, mode);
+  return with_leading_dims(mlp_forward(activation, fc1, fc2, h, mlp_saved, mode), x);
+}
+
+Tensor norm_mlp_backward(Norm& norm, ops::Activation activation, Linear& fc1, Linear& fc2,
+                         const Tensor& dy, const Norm::Saved& norm_saved, MLP::Saved& mlp_saved) {
+  const Tensor dy2 = grad_rows(dy, fc2.out_features(), "norm_mlp_backward");
+  const Tensor dh = mlp_backward(activation, fc1, fc2, dy2, mlp_saved);
+  return with_leading_dims(norm.backward(dh, norm_saved), dy);
 }
 
 // ----------------------------------------------------------------------------
@@ -236,49 +274,60 @@ MLP::MLP(const BlockConfig& config, const Device& device, uint64_t seed, DType c
       fc2_(config.ffn, config.dim, config.bias, device, layer_seed(seed, LinearSlot::fc2),
            compute_dtype) {}
 
-Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode, const LinearObserver* observer,
-                    const Tensor& residual) {
-  saved.hidden = fc1_.forward(x, saved.fc1, mode);
+Tensor mlp_forward(ops::Activation activation, Linear& fc1, Linear& fc2, const Tensor& x,
+                   MLP::Saved& saved, ForwardMode mode, const LinearObserver* observer,
+                   const Tensor& residual) {
+  saved.hidden = fc1.forward(x, saved.fc1, mode);
   after_linear(observer, mode, LinearSlot::fc1, x, saved.fc1);
   const auto fused =
       fusion_enabled(Fusion::activation_cast)
-          ? fc2_.fused_input(saved.hidden.rows(), saved.hidden.dtype(), saved.fc2, mode)
+          ? fc2.fused_input(saved.hidden.rows(), saved.hidden.dtype(), saved.fc2, mode)
           : std::nullopt;
   // With fc2's input cast fused, the activation's high-precision output is needed only by an
   // observer (the FP8 statistics); otherwise it is never written.
   const bool observed = observer != nullptr && *observer && mode == ForwardMode::normal;
   const Tensor act =
-      !fused || observed ? activation_output(saved.hidden, fc2_.in_features()) : Tensor();
-  ops::activation_forward(activation_, saved.hidden, act, fused ? &*fused : nullptr);
-  Tensor y = fc2_.forward(act, saved.fc2, mode, residual);
+      !fused || observed ? activation_output(saved.hidden, fc2.in_features()) : Tensor();
+  ops::activation_forward(activation, saved.hidden, act, fused ? &*fused : nullptr);
+  Tensor y = fc2.forward(act, saved.fc2, mode, residual);
   after_linear(observer, mode, LinearSlot::fc2, act, saved.fc2);
   // The activation's input is kept for its backward: fc2's FP8 input is made again from it.
   release_for_recast(mode, saved.fc2);
   return y;
 }
 
-Tensor MLP::backward(const Tensor& dy, Saved& saved) {
+Tensor mlp_backward(ops::Activation activation, Linear& fc1, Linear& fc2, const Tensor& dy,
+                    MLP::Saved& saved) {
   OCTET_CHECK(saved.hidden.defined(), "MLP::backward needs the Saved of a forward");
-  refill_input(fc2_, saved.fc2, fusion_enabled(Fusion::activation_cast), /*rowwise=*/false,
+  refill_input(fc2, saved.fc2, fusion_enabled(Fusion::activation_cast), /*rowwise=*/false,
                [&](const ops::FusedQuantize* fused) {
                  const Tensor act =
-                     fused ? Tensor() : activation_output(saved.hidden, fc2_.in_features());
-                 ops::activation_forward(activation_, saved.hidden, act, fused);
+                     fused ? Tensor() : activation_output(saved.hidden, fc2.in_features());
+                 ops::activation_forward(activation, saved.hidden, act, fused);
                  return act;
                });
-  Tensor dact = fc2_.backward(dy, saved.fc2);
+  Tensor dact = fc2.backward(dy, saved.fc2);
   saved.fc2 = Linear::Saved();
   // The activation's backward writes fc1's FP8 grad_output (and its bias gradient) directly.
   fp8::QuantizedTensor dhidden_q;
   const auto fused = fusion_enabled(Fusion::activation_grad_cast)
-                         ? fc1_.fused_grad_output(saved.hidden.rows(), saved.fc1, dhidden_q)
+                         ? fc1.fused_grad_output(saved.hidden.rows(), saved.fc1, dhidden_q)
                          : std::nullopt;
   const Tensor dhidden = fused ? Tensor() : empty_like(saved.hidden);
-  ops::activation_backward(activation_, dact, saved.hidden, dhidden, fused ? &*fused : nullptr);
+  ops::activation_backward(activation, dact, saved.hidden, dhidden, fused ? &*fused : nullptr);
   dact = saved.hidden = Tensor();
-  Tensor dx = fused ? fc1_.backward(dhidden_q, saved.fc1) : fc1_.backward(dhidden, saved.fc1);
+  Tensor dx = fused ? fc1.backward(dhidden_q, saved.fc1) : fc1.backward(dhidden, saved.fc1);
   saved.fc1 = Linear::Saved();
   return dx;
+}
+
+Tensor MLP::forward(const Tensor& x, Saved& saved, ForwardMode mode, const LinearObserver* observer,
+                    const Tensor& residual) {
+  return mlp_forward(activation_, fc1_, fc2_, x, saved, mode, observer, residual);
+}
+
+Tensor MLP::backward(const Tensor& dy, Saved& saved) {
+  return mlp_backward(activation_, fc1_, fc2_, dy, saved);
 }
 
 // ----------------------------------------------------------------------------

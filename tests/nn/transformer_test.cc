@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <tuple>
+#include <utility>
 
 #include "nn/nn_check.h"
 #include "octet/nn/autocast.h"
@@ -581,12 +582,18 @@ struct NormLinearRun {
   std::vector<Tensor> tensors;  ///< y and dx of every microbatch, then every gradient and FP8 state
 };
 
-/// kMicrobatches through a norm over kDim and a Linear kDim -> kFfn on [kBatch, kSeq, kDim]
-/// inputs; with `recompute`, backward takes a record rebuilt by a recompute forward.
+/// kMicrobatches through a norm over kDim and a Linear kDim -> kFfn (norm_linear_forward) or, with
+/// `mlp`, an MLP kDim -> kFfn -> kDim with that activation (norm_mlp_forward), on [kBatch, kSeq,
+/// kDim] inputs; with `recompute`, backward takes a record rebuilt by a recompute forward.
 NormLinearRun run_norm_linear(const Device& device, NormKind kind, const BlockPrecision& p,
-                              bool recompute, uint64_t seed) {
+                              bool recompute, uint64_t seed,
+                              std::optional<ops::Activation> mlp = std::nullopt) {
   Norm norm(kind, kDim, 1e-5f, device);
-  Linear linear(kDim, kFfn, /*bias=*/true, device, seed, p.activation);
+  Linear fc1(kDim, mlp ? ops::activation_input_cols(*mlp, kFfn) : kFfn, /*bias=*/true, device,
+             seed, p.activation);
+  std::optional<Linear> fc2;
+  if (mlp) fc2.emplace(kFfn, kDim, /*bias=*/true, device, seed + 1, p.activation);
+  const int64_t out_cols = mlp ? kDim : kFfn;
   set_norm_parameters(norm, seed);
   AmaxRegistry registry;
   NormLinearRun run;
@@ -594,39 +601,54 @@ NormLinearRun run_norm_linear(const Device& device, NormKind kind, const BlockPr
     const uint64_t mb = seed + 7919 * (m + 1);
     const Tensor x =
         testing::random_tensor({kBatch, kSeq, kDim}, p.activation, mb, 2.0f).to(device);
-    const Tensor dy = testing::random_tensor({kBatch, kSeq, kFfn}, p.activation, mb + 1).to(device);
+    const Tensor dy =
+        testing::random_tensor({kBatch, kSeq, out_cols}, p.activation, mb + 1).to(device);
     std::optional<Fp8Autocast> scope;
     if (p.recipe) scope.emplace(*p.recipe, registry);
     // Delayed scaling fuses from the second microbatch on (the first needs the input's own amax),
     // unless Fusion::norm_cast is off.
     if (p.recipe && p.recipe->kind == fp8::RecipeKind::delayed && m > 0)
-      EXPECT_TRUE(linear.takes_fused_input(Linear::Saved{})) << "microbatch " << m;
+      EXPECT_TRUE(fc1.takes_fused_input(Linear::Saved{})) << "microbatch " << m;
     Norm::Saved norm_saved;
     Linear::Saved saved;
-    const Tensor y = norm_linear_forward(norm, linear, x, norm_saved, saved);
-    EXPECT_EQ(y.shape(), (Shape{kBatch, kSeq, kFfn}));
+    MLP::Saved mlp_saved;
+    const auto forward = [&](Norm::Saved& ns, Linear::Saved& ls, MLP::Saved& ms, ForwardMode mode) {
+      return mlp ? norm_mlp_forward(norm, *mlp, fc1, *fc2, x, ns, ms, mode)
+                 : norm_linear_forward(norm, fc1, x, ns, ls, mode);
+    };
+    const Tensor y = forward(norm_saved, saved, mlp_saved, ForwardMode::normal);
+    EXPECT_EQ(y.shape(), (Shape{kBatch, kSeq, out_cols}));
     if (recompute) {
       Linear::Saved rebuilt = Linear::Saved::from_snapshot(saved.snapshot);
+      MLP::Saved mlp_rebuilt;
+      mlp_rebuilt.fc1 = Linear::Saved::from_snapshot(mlp_saved.fc1.snapshot);
+      mlp_rebuilt.fc2 = Linear::Saved::from_snapshot(mlp_saved.fc2.snapshot);
       Norm::Saved norm_rebuilt;
-      const Tensor again =
-          norm_linear_forward(norm, linear, x, norm_rebuilt, rebuilt, ForwardMode::recompute);
+      const Tensor again = forward(norm_rebuilt, rebuilt, mlp_rebuilt, ForwardMode::recompute);
       EXPECT_TRUE(bitwise_equal(y, again)) << "recomputed y, microbatch " << m;
       saved = std::move(rebuilt);
+      mlp_saved = std::move(mlp_rebuilt);
       norm_saved = std::move(norm_rebuilt);
     }
     scope.reset();
-    const Tensor dx = norm_linear_backward(norm, linear, dy, norm_saved, saved);
+    const Tensor dx = mlp ? norm_mlp_backward(norm, *mlp, fc1, *fc2, dy, norm_saved, mlp_saved)
+                          : norm_linear_backward(norm, fc1, dy, norm_saved, saved);
     EXPECT_EQ(dx.shape(), x.shape());
     if (p.recipe) registry.finalize_backward();
     run.tensors.push_back(y.to(Device::cpu()));
     run.tensors.push_back(dx.to(Device::cpu()));
   }
-  for (const Tensor* g : {&linear.grad_weight(), &linear.grad_bias(), &norm.grad_gamma()})
-    run.tensors.push_back(g->to(Device::cpu()));
+  std::vector<const Linear*> layers{&fc1};
+  if (fc2) layers.push_back(&*fc2);
+  for (const Linear* l : layers)
+    for (const Tensor* g : {&l->grad_weight(), &l->grad_bias()})
+      run.tensors.push_back(g->to(Device::cpu()));
+  run.tensors.push_back(norm.grad_gamma().to(Device::cpu()));
   if (kind == NormKind::layernorm) run.tensors.push_back(norm.grad_beta().to(Device::cpu()));
   if (p.recipe)
-    for (const Tensor& t : state_tensors(*linear.fp8_state()))
-      run.tensors.push_back(t.to(Device::cpu()));
+    for (const Linear* l : layers)
+      for (const Tensor& t : state_tensors(*l->fp8_state()))
+        run.tensors.push_back(t.to(Device::cpu()));
   return run;
 }
 
@@ -678,6 +700,56 @@ INSTANTIATE_TEST_SUITE_P(Precisions, NormLinearTest,
                                                                                   : "_rmsnorm_") +
                                   std::get<2>(info.param).name;
                          });
+
+// A norm feeding an MLP (norm_mlp_forward / norm_mlp_backward: TE's LayerNormMLP)
+
+using NormMlpParam = std::tuple<Device, std::pair<NormKind, ops::Activation>, BlockPrecision>;
+class NormMlpTest : public ::testing::TestWithParam<NormMlpParam> {};
+
+/// With the norm writing fc1's FP8 input, the activation fc2's and the activation's backward
+/// fc1's FP8 gradient, every tensor is bitwise what the unfused path gives, under every precision;
+/// a recompute rebuilds the record bit for bit; and the f32 result is nn::MLP's after the norm.
+TEST_P(NormMlpTest, FusedCastsAreBitwiseTheUnfusedAndRecomputeTheOriginal) {
+  const auto& [device, kinds, precision] = GetParam();
+  const auto [kind, activation] = kinds;
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const NormLinearRun fused = run_norm_linear(device, kind, precision, false, seed, activation);
+  {
+    const UnfusedScope off(
+        {Fusion::norm_cast, Fusion::activation_cast, Fusion::activation_grad_cast});
+    expect_same_tensors(fused, run_norm_linear(device, kind, precision, false, seed, activation));
+  }
+  expect_same_tensors(fused, run_norm_linear(device, kind, precision, true, seed, activation));
+  if (precision.activation != DType::f32 || precision.recipe) return;
+  // f32: y against the norm and mlp_forward run apart.
+  Norm norm(kind, kDim, 1e-5f, device);
+  Linear fc1(kDim, ops::activation_input_cols(activation, kFfn), true, device, seed, DType::f32);
+  Linear fc2(kFfn, kDim, true, device, seed + 1, DType::f32);
+  set_norm_parameters(norm, seed);
+  const Tensor x =
+      testing::random_tensor({kBatch, kSeq, kDim}, DType::f32, seed + 7919, 2.0f).to(device);
+  Norm::Saved norm_saved;
+  MLP::Saved saved;
+  const Tensor h = norm.forward(x, norm_saved).view({-1, kDim});
+  const Tensor y = mlp_forward(activation, fc1, fc2, h, saved);
+  EXPECT_TRUE(bitwise_equal(y, fused.tensors[0].to(device).view({-1, kDim})));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Precisions, NormMlpTest,
+    ::testing::Combine(::testing::ValuesIn(testing::all_backends()),
+                       ::testing::Values(std::pair{NormKind::layernorm, ops::Activation::gelu},
+                                         std::pair{NormKind::rmsnorm, ops::Activation::swiglu},
+                                         std::pair{NormKind::layernorm, ops::Activation::srelu}),
+                       ::testing::ValuesIn(all_precisions())),
+    [](const auto& info) {
+      const auto& kinds = std::get<1>(info.param);
+      return device_name(std::get<0>(info.param)) +
+             (kinds.first == NormKind::layernorm ? "_layernorm_" : "_rmsnorm_") +
+             ops::activation_name(kinds.second) + "_" + std::get<2>(info.param).name;
+    });
 
 TEST(NormLinear, RefusesAnInputOfAnotherWidth) {
   Norm norm(NormKind::layernorm, kDim, 1e-5f, Device::cpu());

@@ -43,6 +43,7 @@ class MLP {
   /// FP8 input in place; the block releases it and rebuilds it from its norm.
   Tensor backward(const Tensor& dy, Saved& saved);
 
+  ops::Activation activation() const { return activation_; }
   Linear& fc1() { return fc1_; }
   Linear& fc2() { return fc2_; }
   const Linear& fc1() const { return fc1_; }
@@ -53,5 +54,13 @@ class MLP {
   Linear fc1_;
   Linear fc2_;
 };
+
+/// MLP::forward and MLP::backward over two Linears held elsewhere (the C API's LayerNormMLP keeps
+/// them as its own handles): fc1 [in -> activation_input_cols(activation, ffn)], fc2 [ffn -> out].
+Tensor mlp_forward(ops::Activation activation, Linear& fc1, Linear& fc2, const Tensor& x,
+                   MLP::Saved& saved, ForwardMode mode = ForwardMode::normal,
+                   const LinearObserver* observer = nullptr, const Tensor& residual = Tensor());
+Tensor mlp_backward(ops::Activation activation, Linear& fc1, Linear& fc2, const Tensor& dy,
+                    MLP::Saved& saved);
 
 }  // namespace octet::nn

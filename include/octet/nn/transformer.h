@@ -75,6 +75,18 @@ Tensor norm_linear_forward(const Norm& norm, Linear& linear, const Tensor& x,
 Tensor norm_linear_backward(Norm& norm, Linear& linear, const Tensor& dy,
                             const Norm::Saved& norm_saved, const Linear::Saved& linear_saved);
 
+/// A norm and the MLP it feeds, as Transformer Engine's LayerNormMLP: y = fc2(act(fc1(norm(x))))
+/// for x [..., dim], y [..., fc2.out_features()]. The norm writes fc1's FP8 input where it can (as
+/// in norm_linear_forward) and the activation fc2's (as in MLP::forward). Recompute as
+/// norm_linear_forward, with both Linears' records made from the original's snapshots.
+Tensor norm_mlp_forward(const Norm& norm, ops::Activation activation, Linear& fc1, Linear& fc2,
+                        const Tensor& x, Norm::Saved& norm_saved, MLP::Saved& mlp_saved,
+                        ForwardMode mode = ForwardMode::normal);
+/// dx [..., dim] (x's dtype) from dy; accumulates the three modules' gradients. Frees the MLP's
+/// record as mlp_backward does.
+Tensor norm_mlp_backward(Norm& norm, ops::Activation activation, Linear& fc1, Linear& fc2,
+                         const Tensor& dy, const Norm::Saved& norm_saved, MLP::Saved& mlp_saved);
+
 /// Causal multi-head self-attention: qkv = Linear(dim, 3 dim), optional RoPE on q and k,
 /// attention, proj = Linear(dim, dim).
 class Attention {
