@@ -402,6 +402,26 @@ class Linear:
                   float(eps), self.device,
                   int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
         self.has_bias = bool(bias)
+        self._owner = None
+        self._forward_c, self._backward_c = _lib.linear_forward, _lib.linear_backward
+
+    @classmethod
+    def _layer_of(cls, mlp, index):
+        """Layer `index` (0: fc1, which carries the norm; 1: fc2) of an octet.MLP, which owns it."""
+        self = cls.__new__(cls)
+        self._handle = ctypes.c_void_p()
+        _lib.call("octet_mlp_linear", mlp._handle, index, ctypes.byref(self._handle))
+        self._owner = mlp._owned  # the layer lives as long as the MLP's handle
+        in_f, out_f, bias, device = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int(), _lib.DLDevice()
+        _lib.call("octet_linear_info", self._handle, ctypes.byref(in_f), ctypes.byref(out_f),
+                  ctypes.byref(bias), ctypes.byref(device))
+        norm = ctypes.c_int()
+        _lib.call("octet_linear_norm_info", self._handle, ctypes.byref(norm), None)
+        self.in_features, self.out_features = in_f.value, out_f.value
+        self.has_bias, self.device = bool(bias.value), device
+        self.norm = {v: k for k, v in _NORMS.items()}.get(norm.value)
+        self._forward_c, self._backward_c = _lib.linear_forward, _lib.linear_backward
+        return self
 
     def forward(self, x, mode="training", original: Record | None = None, stream=None,
                 convert=_to_array):
@@ -413,9 +433,9 @@ class Linear:
         stream = _stream_of(x, stream)  # before the capsule is consumed: nothing raises after
         capsule = _lib.capsule_of(x)
         y, saved = ctypes.c_void_p(), ctypes.c_void_p()
-        status = _lib.linear_forward(self._handle, _lib.consume(capsule), m,
-                                     original.handle if original is not None else None, stream,
-                                     ctypes.byref(y), ctypes.byref(saved))
+        status = self._forward_c(self._handle, _lib.consume(capsule), m,
+                                 original.handle if original is not None else None, stream,
+                                 ctypes.byref(y), ctypes.byref(saved))
         if status:
             _lib.fail(status)
         return convert(_lib.Exported(y.value)), Record(saved, self)
@@ -425,9 +445,9 @@ class Linear:
         stream = _stream_of(dy, stream)
         capsule = _lib.capsule_of(dy)  # kept (owning dy's export) until the call returns
         dx = ctypes.c_void_p()
-        status = _lib.linear_backward(self._handle, _lib.managed_pointer(capsule),
-                                      record.handle if record is not None else None, stream,
-                                      ctypes.byref(dx))
+        status = self._backward_c(self._handle, _lib.managed_pointer(capsule),
+                                  record.handle if record is not None else None, stream,
+                                  ctypes.byref(dx))
         if status:
             _lib.fail(status)
         if record is not None:
@@ -494,9 +514,63 @@ class Linear:
         return f.value, b.value
 
     def __del__(self):
-        if getattr(self, "_handle", None):
+        if getattr(self, "_handle", None) and getattr(self, "_owner", None) is None:
             _lib.lib.octet_linear_destroy(self._handle)
-            self._handle = None
+        self._handle = None
 
 
-__all__ += ["Linear", "Record", "default_registry", "active_scope"]
+_ACTIVATIONS = {"gelu": 0, "swiglu": 1, "srelu": 2}
+
+
+class MLP:
+    """octet's MLP with explicit forward and backward (Transformer Engine's LayerNormMLP):
+    y = fc2(act(fc1(norm(x)))) for x [..., hidden], fc1 hidden -> ffn (2 ffn for 'swiglu', [gate |
+    up]), fc2 ffn -> hidden, activation 'gelu' (tanh), 'swiglu' or 'srelu'; norm 'layernorm',
+    'rmsnorm' or None. y, record = mlp.forward(x); dx = mlp.backward(dy, record), which spends the
+    record's activations (a recompute forward rebuilds them). Under delayed scaling the norm
+    writes fc1's FP8 input and the activation fc2's. The layers are octet.Linear objects, mlp.fc1
+    (with the norm's parameters) and mlp.fc2: views, gradients and FP8 state go through them."""
+
+    def __init__(self, hidden, ffn, bias=True, activation="gelu", norm="layernorm", eps=1e-5,
+                 device="cpu", dtype="float32", seed=0):
+        self.hidden, self.ffn = int(hidden), int(ffn)
+        self.activation, self.norm = activation, norm
+        self.device = _parse_device(device)
+        # The handle is freed when neither this object nor its layers use it (no reference cycle,
+        # so it goes as soon as the last of them does).
+        self._owned = _Owned(_lib.lib.octet_mlp_destroy)
+        self._handle = self._owned.handle
+        _lib.call("octet_mlp_create", self.hidden, self.ffn, int(bool(bias)),
+                  _enum(_ACTIVATIONS, activation, "activation"),
+                  0 if norm is None else _enum(_NORMS, norm, "norm"), float(eps), self.device,
+                  int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
+        self.fc1, self.fc2 = Linear._layer_of(self, 0), Linear._layer_of(self, 1)
+        self._forward_c, self._backward_c = _lib.mlp_forward, _lib.mlp_backward
+
+    forward = Linear.forward
+    backward = Linear.backward
+
+    def zero_grad(self, on_next_write=False, stream=None):
+        self.fc1.zero_grad(on_next_write, stream)
+        self.fc2.zero_grad(on_next_write, stream)
+
+    def weights_updated(self):
+        self.fc1.weights_updated()
+        self.fc2.weights_updated()
+
+
+class _Owned:
+    """A C handle that `destroy` frees when the last Python object holding this goes."""
+
+    __slots__ = ("handle", "destroy")
+
+    def __init__(self, destroy):
+        self.handle, self.destroy = ctypes.c_void_p(), destroy
+
+    def __del__(self):
+        if self.handle:
+            self.destroy(self.handle)
+            self.handle = None
+
+
+__all__ += ["Linear", "MLP", "Record", "default_registry", "active_scope"]

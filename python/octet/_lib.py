@@ -77,9 +77,10 @@ def version():
     return major.value, minor.value, lib_version.value.decode()
 
 
-# The C API this package calls: major 1, with octet_linear_create_normed (minor 1). Checked before
-# any of its functions is looked up, so an older library gets this message, not an AttributeError.
-_API_MAJOR, _API_MINOR = 1, 1
+# The C API this package calls: major 1, with octet_linear_create_normed (minor 1) and octet_mlp_*
+# (minor 2). Checked before any of its functions is looked up, so an older library gets this
+# message, not an AttributeError.
+_API_MAJOR, _API_MINOR = 1, 2
 _major, _minor, _ = version()
 if _major != _API_MAJOR or _minor < _API_MINOR:
     raise ImportError(
@@ -132,6 +133,12 @@ _SIGNATURES = {
     "octet_linear_fp8_state_get": [_p, _p, _c.c_int, _p, _pp],
     "octet_linear_fp8_state_set": [_p, _p, _c.c_int, _p, _p],
     "octet_linear_fp8_update_counts": [_p, _i64p, _i64p],
+    "octet_mlp_create": [_c.c_int64, _c.c_int64, _c.c_int, _c.c_int, _c.c_int, _c.c_float,
+                         DLDevice, _c.c_uint64, _c.c_int, _pp],
+    "octet_mlp_info": [_p, _i64p, _i64p, _intp],
+    "octet_mlp_linear": [_p, _c.c_int, _pp],
+    "octet_mlp_forward": [_p, _p, _c.c_int, _p, _p, _pp, _pp],
+    "octet_mlp_backward": [_p, _p, _p, _p, _pp],
 }
 for _name, _args in _SIGNATURES.items():
     _f = getattr(lib, _name)
@@ -139,7 +146,7 @@ for _name, _args in _SIGNATURES.items():
     _f.restype = ctypes.c_int
 
 for _name in ("octet_recipe_destroy", "octet_qtensor_destroy", "octet_linear_destroy",
-              "octet_saved_destroy"):
+              "octet_saved_destroy", "octet_mlp_destroy"):
     getattr(lib, _name).argtypes = [_p]
     getattr(lib, _name).restype = None
 lib.octet_last_error.argtypes = []
@@ -170,6 +177,8 @@ def call(name: str, *args) -> None:
 # name, no argument tuple.
 linear_forward = lib.octet_linear_forward
 linear_backward = lib.octet_linear_backward
+mlp_forward = lib.octet_mlp_forward
+mlp_backward = lib.octet_mlp_backward
 autocast_enter = lib.octet_autocast_enter
 autocast_exit = lib.octet_autocast_exit
 registry_finalize_backward = lib.octet_registry_finalize_backward

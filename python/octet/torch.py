@@ -1,4 +1,5 @@
-"""octet.torch.Linear: a torch.nn.Module whose forward and backward run octet's FP8 Linear.
+"""octet.torch.Linear: a torch.nn.Module whose forward and backward run octet's FP8 Linear;
+LayerNormLinear and LayerNormMLP are the same machinery over octet's normed Linear and its MLP.
 
 - Parameters are ordinary torch.nn.Parameters that share memory with octet's FP32 master weights
   (DLPack, no copy): any torch optimizer, state_dict and torch.save work. An in-place update (the
@@ -22,7 +23,7 @@ import torch
 
 import octet
 
-__all__ = ["Linear", "LayerNormLinear"]
+__all__ = ["Linear", "LayerNormLinear", "LayerNormMLP"]
 
 _COMPUTE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
@@ -54,14 +55,14 @@ class _LinearFunction(torch.autograd.Function):
         device = module._device
         if x.device != device:
             raise octet.OctetValueError(
-                f"octet.torch.Linear on {device} got input on {x.device} (octet never moves tensors)")
+                f"{module._kind()} on {device} got input on {x.device} (octet never moves tensors)")
         recompute = torch._C._current_graph_task_id() != -1  # a forward inside backward
         original = None
         if recompute:
             original = module._pending_record()
             if original is None:
                 raise octet.OctetError(
-                    "octet.torch.Linear: a forward inside backward (activation checkpointing) with "
+                    f"{module._kind()}: a forward inside backward (activation checkpointing) with "
                     "no pending forward of this module to recompute; use "
                     "torch.utils.checkpoint(..., use_reentrant=False)")
             mode = "recompute"
@@ -106,55 +107,66 @@ class Linear(torch.nn.Module):
 
     def _build(self, in_features, out_features, bias, device, dtype, seed, norm, eps):
         self.in_features, self.out_features = int(in_features), int(out_features)
+        device, compute, seed = self._placement(device, dtype, seed)
+        self._core = octet.Linear(in_features, out_features, bias, str(device), compute, seed,
+                                  norm=norm, eps=eps)
+        # The norm's gamma and beta under Transformer Engine's names (LayerNormLinear).
+        self._bind({"": self._core}, [("weight", "", "weight"), ("bias", "", "bias"),
+                                      ("layer_norm_weight", "", "norm_weight"),
+                                      ("layer_norm_bias", "", "norm_bias")])
+
+    def _kind(self):
+        return f"octet.torch.{type(self).__name__}"
+
+    def _placement(self, device, dtype, seed):
+        """Sets the module's device; returns it, octet's compute dtype name and the seed."""
         device = torch.device(device) if device is not None else torch.device("cpu")
         if device.type == "cuda":
             torch.cuda.init()  # before the first raw stream lookup
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
         if device.type not in ("cpu", "cuda"):
-            raise octet.OctetValueError(f"octet.torch.Linear: expected a cpu or cuda device, got {device}")
+            raise octet.OctetValueError(f"{self._kind()}: expected a cpu or cuda device, got {device}")
         self._device = device
         compute = dtype if dtype is not None else torch.float32
         if compute not in _COMPUTE:
-            raise octet.OctetValueError(f"octet.torch.Linear: dtype must be float32 or bfloat16, got {compute}")
+            raise octet.OctetValueError(f"{self._kind()}: dtype must be float32 or bfloat16, got {compute}")
         if seed is None:  # follows torch.manual_seed
             seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
-        self._core = octet.Linear(in_features, out_features, bias, str(device), _COMPUTE[compute], seed,
-                                  norm=norm, eps=eps)
-        self.weight = torch.nn.Parameter(self._view("weight"))
-        self.bias = torch.nn.Parameter(self._view("bias")) if bias else None
-        # The norm's gamma and beta under Transformer Engine's names (LayerNormLinear).
-        if norm is not None:
-            self.layer_norm_weight = torch.nn.Parameter(self._view("norm_weight"))
-        if norm == "layernorm":
-            self.layer_norm_bias = torch.nn.Parameter(self._view("norm_bias"))
-        # The parameters' names in _OCTET_NAMES's order, fixed now: the module's memory is octet's.
-        self._param_keys = tuple(name for name in self._OCTET_NAMES
-                                 if self._parameters.get(name) is not None)
+        return device, _COMPUTE[compute], seed
+
+    def _bind(self, layers, sources):
+        """The parameters over octet's memory. layers: {prefix: octet.Linear} (the prefix names
+        the layer's FP8 buffers); sources: (parameter, layer prefix, octet view) in parameter
+        order. A bias the layer lacks is None; a norm's parameters without a norm are absent."""
+        self._layers = layers
+        kept = []
+        for name, prefix, which in sources:
+            layer = layers[prefix]
+            present = {"bias": layer.has_bias, "norm_weight": layer.norm is not None,
+                       "norm_bias": layer.norm == "layernorm"}.get(which, True)
+            if present:
+                setattr(self, name, torch.nn.Parameter(self._view(prefix, which)))
+                kept.append((name, prefix, which))
+            elif which == "bias":
+                setattr(self, name, None)
+        # The parameters' names, fixed now: the module's memory is octet's.
+        self._param_keys = tuple(name for name, _, _ in kept)
         self._versions = self._param_versions()
         self._ptrs = tuple(p.data_ptr() for p in self._params())
         # octet's gradient memory never moves: one view each, made once, in _params()'s order.
-        self._grad_views = [self._view("grad_" + name) for name in self._param_names()]
+        self._grad_views = [self._view(prefix, "grad_" + which) for _, prefix, which in kept]
         self._grad_ptrs = tuple(v.data_ptr() for v in self._grad_views)
         self._records = []
         self._recipe = None  # the recipe of the FP8 state (set by the first FP8 forward or a load)
 
     # --- octet views -----------------------------------------------------------------------------
 
-    def _view(self, which):
-        return self._core.view(which, _stream(self._device), _to_torch)
-
-    # octet's view of each parameter, in the order of _params().
-    _OCTET_NAMES = {"weight": "weight", "bias": "bias", "layer_norm_weight": "norm_weight",
-                    "layer_norm_bias": "norm_bias"}
-
-    def _param_names(self):
-        """octet's names of the parameters the module has: weight, then bias, norm_weight and
-        norm_bias where present."""
-        return [self._OCTET_NAMES[name] for name in self._param_keys]
+    def _view(self, prefix, which):
+        return self._layers[prefix].view(which, _stream(self._device), _to_torch)
 
     def _params(self):
-        """The parameters in _param_names()'s order, read from _parameters (no
+        """The parameters in _param_keys' order, read from _parameters (no
         Module.__getattr__); None for one set to None since."""
         params = self._parameters
         return tuple([params.get(name) for name in self._param_keys])
@@ -173,7 +185,7 @@ class Linear(torch.nn.Module):
             ptrs = None
         if ptrs != self._ptrs:
             raise octet.OctetError(
-                "octet.torch.Linear: a parameter was replaced (param.data = ... or .to()); "
+                f"{self._kind()}: a parameter was replaced (param.data = ... or .to()); "
                 "octet's parameters must keep their memory: copy into them instead")
         versions = self._param_versions(params)
         if versions != self._versions:
@@ -221,8 +233,10 @@ class Linear(torch.nn.Module):
         recipe = recipe or self._recipe
         if recipe is None:
             return {}
-        state = self._core.fp8_state(recipe, _stream(self._device), _to_torch)
-        return {name.replace(".", "_"): value for name, value in state.items()}
+        stream = _stream(self._device)
+        return {prefix + name.replace(".", "_"): value
+                for prefix, layer in self._layers.items()
+                for name, value in layer.fp8_state(recipe, stream, _to_torch).items()}
 
     def _refresh_buffers(self):
         for name, value in self.fp8_state().items():
@@ -257,9 +271,12 @@ class Linear(torch.nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         if self._recipe is not None:
-            names = self._core.fp8_state(self._recipe, _stream(self._device), _to_torch)
-            state = {name: getattr(self, "fp8_" + name.replace(".", "_")).contiguous() for name in names}
-            self._core.load_fp8_state(self._recipe, state, _stream(self._device))
+            stream = _stream(self._device)
+            for prefix, layer in self._layers.items():
+                names = layer.fp8_state(self._recipe, stream, _to_torch)
+                state = {name: getattr(self, "fp8_" + prefix + name.replace(".", "_")).contiguous()
+                         for name in names}
+                layer.load_fp8_state(self._recipe, state, stream)
         self._versions = self._param_versions()
         self._core.weights_updated()
 
@@ -268,7 +285,7 @@ class Linear(torch.nn.Module):
         probe = fn(torch.empty(0, device=self._device))
         if probe.device != self._device or probe.dtype != torch.float32:
             raise octet.OctetError(
-                "octet.torch.Linear lives on the device it was created on, in float32 masters: "
+                f"{self._kind()} lives on the device it was created on, in float32 masters: "
                 "create it with device=... instead of moving it")
         return self
 
@@ -302,3 +319,51 @@ class LayerNormLinear(Linear):
                 f"octet.torch.LayerNormLinear: normalization must be 'LayerNorm' or 'RMSNorm', "
                 f"got {normalization!r}")
         self._build(in_features, out_features, bias, device, dtype, seed, norm=norm, eps=eps)
+
+
+class LayerNormMLP(Linear):
+    """Transformer Engine's LayerNormMLP: y = fc2(act(fc1(norm(x)))) for x [..., hidden_size],
+    fc1 hidden_size -> ffn_hidden_size (twice that for 'swiglu': [gate | up]), fc2 back to
+    hidden_size; activation 'gelu' (tanh), 'swiglu' or 'srelu'; the norm 'LayerNorm' or 'RMSNorm'
+    with epsilon `eps`. Parameters under TE's names: layer_norm_weight, layer_norm_bias (LayerNorm),
+    fc1_weight, fc1_bias, fc2_weight, fc2_bias (FP32). Under fp8_autocast with delayed scaling
+    the norm writes fc1's FP8 input, the activation fc2's and the activation's backward fc1's FP8
+    gradient, each in its own pass. Everything else (FP8 state in buffers fp8_fc1_* and fp8_fc2_*,
+    state_dict, checkpointing) is as octet.torch.Linear."""
+
+    _ACTIVATIONS = ("gelu", "swiglu", "srelu")
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True,
+                 normalization="LayerNorm", activation="gelu", device=None, dtype=None, seed=None):
+        torch.nn.Module.__init__(self)
+        norm = LayerNormLinear._NORMALIZATIONS.get(normalization)
+        if norm is None:
+            raise octet.OctetValueError(
+                f"octet.torch.LayerNormMLP: normalization must be 'LayerNorm' or 'RMSNorm', "
+                f"got {normalization!r}")
+        if activation not in self._ACTIVATIONS:
+            raise octet.OctetValueError(
+                f"octet.torch.LayerNormMLP: activation must be one of {self._ACTIVATIONS}, "
+                f"got {activation!r}")
+        self.hidden_size, self.ffn_hidden_size = int(hidden_size), int(ffn_hidden_size)
+        self.in_features = self.out_features = self.hidden_size
+        self.activation, self.normalization = activation, normalization
+        device, compute, seed = self._placement(device, dtype, seed)
+        self._core = octet.MLP(hidden_size, ffn_hidden_size, bias, activation, norm, eps,
+                               str(device), compute, seed)
+        fc1, fc2 = self._core.fc1, self._core.fc2
+        self._bind({"fc1_": fc1, "fc2_": fc2},
+                   [("layer_norm_weight", "fc1_", "norm_weight"),
+                    ("layer_norm_bias", "fc1_", "norm_bias"),
+                    ("fc1_weight", "fc1_", "weight"), ("fc1_bias", "fc1_", "bias"),
+                    ("fc2_weight", "fc2_", "weight"), ("fc2_bias", "fc2_", "bias")])
+
+    def forward(self, x):
+        # The Function's two parameter inputs put it in autograd's graph whatever x is.
+        return _LinearFunction.apply(x, self.fc1_weight, self.fc2_weight, self,
+                                     octet.active_scope(), torch.is_grad_enabled())
+
+    def extra_repr(self):
+        return f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, " \
+               f"activation={self.activation}, normalization={self.normalization}, " \
+               f"bias={self.fc1_bias is not None}, device={self._device}"

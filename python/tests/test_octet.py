@@ -351,6 +351,120 @@ def test_bad_normed_linears_raise():
     assert octet.Linear(16, 16).norm_weight is None
 
 
+def mlp_reference(h, activation, w1, b1, w2, b2, dy):
+    """fc2(act(fc1(h))) in float64, and the gradients of h, fc1's output and the activation."""
+    a = h @ w1.T + b1
+    if activation == "gelu":
+        c = np.sqrt(2.0 / np.pi)
+        t = np.tanh(c * (a + 0.044715 * a**3))
+        act = 0.5 * a * (1.0 + t)
+        dact_da = 0.5 * (1.0 + t) + 0.5 * a * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * a * a)
+    elif activation == "srelu":
+        act, dact_da = np.maximum(a, 0.0) ** 2, 2.0 * np.maximum(a, 0.0)
+    else:
+        gate, up = np.split(a, 2, axis=-1)
+        sig = 1.0 / (1.0 + np.exp(-gate))
+        act = gate * sig * up
+    y = act @ w2.T + b2
+    dact = dy @ w2
+    if activation == "swiglu":
+        da = np.concatenate([dact * up * sig * (1.0 + gate * (1.0 - sig)), dact * gate * sig], -1)
+    else:
+        da = dact * dact_da
+    return y, da @ w1, da, act
+
+
+@pytest.mark.parametrize("norm,activation",
+                         [("layernorm", "gelu"), ("rmsnorm", "swiglu"), (None, "srelu")])
+@pytest.mark.parametrize("recipe", [None, "fp8-delayed"])
+def test_an_mlp_is_the_norm_fc1_activation_fc2(rng, norm, activation, recipe):
+    """octet.MLP (LayerNormMLP) and every gradient against NumPy in float64; under delayed scaling
+    the second step fuses the norm's, the activation's and the activation gradient's FP8 casts.
+    FP8's bounds: E4M3 inputs and weights in two GEMMs forward (a few percent), E5M2 gradients
+    through two dgrads backward (4-7% each)."""
+    mlp = octet.MLP(64, 48, activation=activation, norm=norm, seed=5)
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    assert (fc1.in_features, fc1.out_features) == (64, 96 if activation == "swiglu" else 48)
+    assert (fc2.in_features, fc2.out_features, fc2.norm) == (48, 64, None)
+    if norm:
+        fc1.norm_weight[:] = rng.uniform(0.5, 1.5, 64)
+    gamma = fc1.norm_weight.copy() if norm else None
+    beta = fc1.norm_bias.copy() if norm == "layernorm" else None
+    w1, b1, w2, b2 = (v.astype(np.float64) for v in (fc1.weight, fc1.bias, fc2.weight, fc2.bias))
+    x = rng.uniform(-2, 2, (2, 16, 64)).astype(np.float32)
+    dy = rng.uniform(-0.1, 0.1, (2, 16, 64)).astype(np.float32)
+    if norm:
+        h, xhat, dx_of = norm_reference(x, norm, gamma, beta, 1e-5)
+    else:
+        h, xhat, dx_of = x.astype(np.float64), None, lambda g: g
+    h2, dy2 = h.reshape(-1, 64), dy.reshape(-1, 64).astype(np.float64)
+    y_ref, dh, da, act = mlp_reference(h2, activation, w1, b1, w2, b2, dy2)
+    reg = octet.Registry()
+    for _ in range(2):
+        mlp.zero_grad()
+        with octet.fp8_autocast(octet.Recipe.from_name(recipe) if recipe else None,
+                                enabled=recipe is not None, registry=reg):
+            y, record = mlp.forward(x)
+        dx = mlp.backward(dy, record)
+        if recipe:
+            reg.finalize_backward()
+    fwd, bwd = (1e-5, 1e-5) if recipe is None else (0.08, 0.15)
+    assert y.shape == x.shape and dx.shape == x.shape
+    assert rel_l2(y.reshape(-1, 64), y_ref) < fwd
+    assert rel_l2(dx.reshape(-1, 64), dx_of(dh.reshape(x.shape)).reshape(-1, 64)) < bwd
+    for got, ref in ((fc2.grad_weight, dy2.T @ act), (fc2.grad_bias, dy2.sum(0)),
+                     (fc1.grad_weight, da.T @ h2), (fc1.grad_bias, da.sum(0))):
+        assert rel_l2(got, ref) < bwd
+    if norm:
+        assert rel_l2(fc1.view("grad_norm_weight"), (dh * xhat.reshape(-1, 64)).sum(0)) < bwd
+
+
+def test_an_mlp_recomputes_bitwise_and_spends_its_record_in_backward(rng):
+    recipe = octet.Recipe.delayed(amax_history_len=4)
+    mlp = octet.MLP(64, 64, activation="swiglu", norm="layernorm", seed=9)
+    x = rng.uniform(-1, 1, (32, 64)).astype(np.float32)
+    dy = rng.uniform(-1, 1, (32, 64)).astype(np.float32)
+    reg = octet.Registry()
+    for _ in range(2):
+        with octet.fp8_autocast(recipe, registry=reg):
+            y, record = mlp.forward(x)
+        mlp.zero_grad(on_next_write=True)
+        dx = mlp.backward(dy, record)
+        reg.finalize_backward()
+    grads = [layer.view(n).copy() for layer, n in
+             ((mlp.fc1, "grad_weight"), (mlp.fc1, "grad_norm_weight"), (mlp.fc2, "grad_weight"))]
+    with pytest.raises(octet.OctetValueError, match="released"):
+        mlp.backward(dy, record)  # spent by the backward above
+    y2, again = mlp.forward(x, mode="recompute", original=record)
+    mlp.zero_grad(on_next_write=True)
+    dx2 = mlp.backward(dy, again)
+    assert y.tobytes() == y2.tobytes() and dx.tobytes() == dx2.tobytes()
+    for layer_name, grad in zip(("fc1.grad_weight", "fc1.grad_norm_weight", "fc2.grad_weight"),
+                                grads):
+        layer, name = layer_name.split(".")
+        assert grad.tobytes() == getattr(mlp, layer).view(name).tobytes(), layer_name
+    # The layers keep the MLP's memory alive; the MLP goes when the last of them does.
+    fc1 = mlp.fc1
+    alive = weakref.ref(mlp)
+    del mlp, record, again
+    gc.collect()
+    assert alive() is None and fc1.weight.shape == (128, 64)
+
+
+def test_bad_mlps_raise(rng):
+    with pytest.raises(octet.OctetValueError, match="activation"):
+        octet.MLP(16, 16, activation="tanh")
+    with pytest.raises(octet.OctetValueError, match="must be positive"):
+        octet.MLP(16, 0)
+    mlp = octet.MLP(32, 16)
+    with pytest.raises(octet.OctetValueError, match=r"expects \[\.\.\., 32\]"):
+        mlp.forward(rng.uniform(-1, 1, (16, 16)).astype(np.float32))
+    lin = octet.Linear(32, 32)
+    _, lin_record = lin.forward(rng.uniform(-1, 1, (16, 32)).astype(np.float32))
+    with pytest.raises(octet.OctetValueError, match="another MLP"):
+        mlp.backward(np.zeros((16, 32), np.float32), lin_record)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: a Python exception with octet's message, never a crash, never a silent copy
 
@@ -478,4 +592,4 @@ def test_modules_and_their_records_are_freed():
 
 def test_api_version():
     major, minor, library = octet.api_version()
-    assert (major, minor) == (1, 1) and library
+    assert (major, minor) == (1, 2) and library

@@ -200,6 +200,138 @@ def test_layernorm_linear_state_dict_and_bad_input():
         a(torch.randn(8, 16))
 
 
+def torch_mlp_reference(m, device):
+    """The norm, fc1, activation and fc2 of an octet.torch.LayerNormMLP in torch.nn, with its
+    parameters copied in."""
+    hidden, ffn, act = m.hidden_size, m.ffn_hidden_size, m.activation
+    norm = (torch.nn.LayerNorm(hidden, eps=1e-5) if m.normalization == "LayerNorm"
+            else torch.nn.RMSNorm(hidden, eps=1e-5)).to(device)
+    fc1 = torch.nn.Linear(hidden, 2 * ffn if act == "swiglu" else ffn, device=device)
+    fc2 = torch.nn.Linear(ffn, hidden, device=device)
+    with torch.no_grad():
+        norm.weight.copy_(m.layer_norm_weight)
+        if m.normalization == "LayerNorm":
+            norm.bias.copy_(m.layer_norm_bias)
+        for mine, theirs in ((m.fc1_weight, fc1.weight), (m.fc1_bias, fc1.bias),
+                             (m.fc2_weight, fc2.weight), (m.fc2_bias, fc2.bias)):
+            theirs.copy_(mine)
+
+    def activation(a):
+        if act == "gelu":
+            return torch.nn.functional.gelu(a, approximate="tanh")
+        if act == "srelu":
+            return torch.relu(a).square()
+        gate, up = a.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    pairs = [(m.fc1_weight, fc1.weight), (m.fc1_bias, fc1.bias), (m.fc2_weight, fc2.weight),
+             (m.fc2_bias, fc2.bias), (m.layer_norm_weight, norm.weight)]
+    if m.normalization == "LayerNorm":
+        pairs.append((m.layer_norm_bias, norm.bias))
+    return (lambda x: fc2(activation(fc1(norm(x))))), pairs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalization,activation",
+                         [("LayerNorm", "gelu"), ("RMSNorm", "swiglu"), ("LayerNorm", "srelu")])
+def test_layernorm_mlp_matches_torch_norm_linear_activation_linear(normalization, activation,
+                                                                   device):
+    torch.manual_seed(SEED)
+    m = ot.LayerNormMLP(64, 96, normalization=normalization, activation=activation,
+                        device=device)
+    names = [n for n, _ in m.named_parameters()]
+    assert names == ["layer_norm_weight"] + (
+        ["layer_norm_bias"] if normalization == "LayerNorm" else []) + [
+        "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    assert m.fc1_weight.shape == (192 if activation == "swiglu" else 96, 64)
+    with torch.no_grad():  # gains and shifts other than ones and zeros
+        m.layer_norm_weight.uniform_(0.5, 1.5)
+        if normalization == "LayerNorm":
+            m.layer_norm_bias.uniform_(-0.5, 0.5)
+    reference, pairs = torch_mlp_reference(m, device)
+    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = m(x), reference(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    for mine, theirs in pairs:
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layernorm_mlp_in_fp8_stays_near_its_f32_result(device):
+    """Delayed scaling, whose second step fuses the three casts: within 10% relative L2 of the
+    f32 result for y and dx (E4M3 forward, E5M2 gradients: a few percent each)."""
+    torch.manual_seed(SEED)
+    m = ot.LayerNormMLP(64, 128, activation="swiglu", device=device)
+    x = torch.randn(64, 64, device=device)
+    dy = torch.randn(64, 64, device=device)
+    recipe, reg = octet.Recipe.delayed(), octet.Registry()
+    for _ in range(2):
+        xq = x.clone().requires_grad_()
+        with octet.fp8_autocast(recipe, registry=reg):
+            yq = m(xq)
+        yq.backward(dy)
+    xf = x.clone().requires_grad_()
+    yf = m(xf)
+    yf.backward(dy)
+    for got, ref in ((yq, yf), (xq.grad, xf.grad)):
+        assert ((got - ref).norm() / ref.norm()).item() < 0.1
+    assert reg.update_counts == (2, 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
+def test_layernorm_mlp_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
+    from torch.utils.checkpoint import checkpoint
+
+    def run(use_checkpoint):
+        torch.manual_seed(SEED)
+        m = ot.LayerNormMLP(64, 64, device=device)
+        with torch.no_grad():
+            m.layer_norm_weight.uniform_(0.5, 1.5)
+        x = torch.randn(32, 64, device=device, requires_grad=True)
+        r, reg = octet.Recipe.from_name(recipe), octet.Registry()
+        grads = []
+        for _ in range(2):
+            with octet.fp8_autocast(r, registry=reg):
+                y = checkpoint(m, x, use_reentrant=False) if use_checkpoint else m(x)
+            y.square().sum().backward()
+            grads.append([t.grad.clone() for t in (x, *m.parameters())])
+        return grads, reg.update_counts
+
+    assert_checkpoint_changes_no_bit(run)
+
+
+def test_layernorm_mlp_state_dict_and_bad_input():
+    torch.manual_seed(SEED)
+    a = ot.LayerNormMLP(32, 48, activation="srelu", normalization="RMSNorm")
+    x = torch.randn(16, 32)
+    recipe = octet.Recipe.delayed()
+    with octet.fp8_autocast(recipe):
+        a(x).sum().backward()
+    state = a.state_dict()
+    assert "fp8_fc1_forward_scale" in state and "fp8_fc2_backward_amax_history" in state
+    b = ot.LayerNormMLP(32, 48, activation="srelu", normalization="RMSNorm")
+    b.load_state_dict(state)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    with octet.fp8_autocast(recipe):  # the same FP8 scales: the same output
+        assert torch.equal(a(x), b(x))
+    with pytest.raises(octet.OctetValueError, match="activation must be one of"):
+        ot.LayerNormMLP(32, 48, activation="tanh")
+    with pytest.raises(octet.OctetValueError, match="LayerNorm' or 'RMSNorm"):
+        ot.LayerNormMLP(32, 48, normalization="BatchNorm")
+    with pytest.raises(octet.OctetError, match=r"\[\.\.\., 32\]"):
+        a(torch.randn(8, 16))
+    with pytest.raises(octet.OctetError, match="replaced"):
+        a.fc2_weight = torch.nn.Parameter(torch.zeros(32, 48))
+        a(x)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")
 def test_cuda_tensor_on_another_device_than_the_module():
     lin = ot.Linear(64, 32, device="cuda:0")
