@@ -301,6 +301,19 @@ class Linear(torch.nn.Module):
                f"bias={self.bias is not None}{norm}, device={self._device}"
 
 
+_NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+
+
+def _norm_name(normalization, module):
+    """octet's name of a Transformer Engine normalization ('LayerNorm' or 'RMSNorm')."""
+    norm = _NORMALIZATIONS.get(normalization)
+    if norm is None:
+        raise octet.OctetValueError(
+            f"{module._kind()}: normalization must be 'LayerNorm' or 'RMSNorm', "
+            f"got {normalization!r}")
+    return norm
+
+
 class LayerNormLinear(Linear):
     """Transformer Engine's LayerNormLinear: y = Linear(norm(x)), the norm over in_features
     ('LayerNorm' or 'RMSNorm', epsilon `eps`) with FP32 parameters layer_norm_weight (ones) and,
@@ -308,16 +321,11 @@ class LayerNormLinear(Linear):
     the GEMM's FP8 input in its own pass over x (no high-precision norm output is made); everything
     else (parameters, FP8 state, checkpointing) is as octet.torch.Linear."""
 
-    _NORMALIZATIONS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  device=None, dtype=None, seed=None):
         torch.nn.Module.__init__(self)
-        norm = self._NORMALIZATIONS.get(normalization)
-        if norm is None:
-            raise octet.OctetValueError(
-                f"octet.torch.LayerNormLinear: normalization must be 'LayerNorm' or 'RMSNorm', "
-                f"got {normalization!r}")
+        norm = _norm_name(normalization, self)
         self._build(in_features, out_features, bias, device, dtype, seed, norm=norm, eps=eps)
 
 
@@ -336,11 +344,7 @@ class LayerNormMLP(Linear):
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, bias=True,
                  normalization="LayerNorm", activation="gelu", device=None, dtype=None, seed=None):
         torch.nn.Module.__init__(self)
-        norm = LayerNormLinear._NORMALIZATIONS.get(normalization)
-        if norm is None:
-            raise octet.OctetValueError(
-                f"octet.torch.LayerNormMLP: normalization must be 'LayerNorm' or 'RMSNorm', "
-                f"got {normalization!r}")
+        norm = _norm_name(normalization, self)
         if activation not in self._ACTIVATIONS:
             raise octet.OctetValueError(
                 f"octet.torch.LayerNormMLP: activation must be one of {self._ACTIVATIONS}, "

@@ -21,6 +21,21 @@ def seeded():
     torch.manual_seed(SEED)
 
 
+def assert_matches_reference(module, reference, pairs, device):
+    """module and reference (a function of x) give the same y, x.grad and parameter gradients
+    (pairs: (module's parameter, reference's)) within f32's rounding, on x [4, 8, 64]."""
+    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, yr = module(x), reference(xr)
+    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    for mine, theirs in pairs:
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_parameters_are_octets_memory_and_match_torch_linear(device):
     lin = ot.Linear(64, 32, device=device)
@@ -29,16 +44,7 @@ def test_parameters_are_octets_memory_and_match_torch_linear(device):
     with torch.no_grad():
         ref.weight.copy_(lin.weight)
         ref.bias.copy_(lin.bias)
-    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = lin(x), ref(xr)
-    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    yr.backward(dy)
-    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lin.bias.grad, ref.bias.grad, rtol=1e-5, atol=1e-5)
+    assert_matches_reference(lin, ref, ((lin.weight, ref.weight), (lin.bias, ref.bias)), device)
 
 
 def test_an_optimizer_step_is_seen_by_the_next_forward():
@@ -144,31 +150,23 @@ def test_layernorm_linear_matches_torch_norm_then_linear(normalization, device):
             norm.bias.copy_(m.layer_norm_bias)
         lin.weight.copy_(m.weight)
         lin.bias.copy_(m.bias)
-    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = m(x), lin(norm(xr))
-    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    yr.backward(dy)
-    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
-    for mine, theirs in ((m.weight, lin.weight), (m.bias, lin.bias),
-                         (m.layer_norm_weight, norm.weight)):
-        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    pairs = [(m.weight, lin.weight), (m.bias, lin.bias), (m.layer_norm_weight, norm.weight)]
     if normalization == "LayerNorm":
-        torch.testing.assert_close(m.layer_norm_bias.grad, norm.bias.grad, rtol=1e-5, atol=1e-5)
+        pairs.append((m.layer_norm_bias, norm.bias))
+    assert_matches_reference(m, lambda x: lin(norm(x)), pairs, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
-def test_layernorm_linear_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
-    """Under delayed scaling the second step's norm writes the GEMM's FP8 input itself, in the
-    checkpointed forward and in its recompute."""
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_normed_modules_checkpoint_gives_bitwise_the_same_gradients(module, recipe, device):
+    """Under delayed scaling the second step's norm writes the GEMM's FP8 input itself (and in the
+    MLP the activation fc2's), in the checkpointed forward and in its recompute."""
     from torch.utils.checkpoint import checkpoint
 
     def run(use_checkpoint):
         torch.manual_seed(SEED)
-        m = ot.LayerNormLinear(64, 32, device=device)
+        m = getattr(ot, module)(64, 32 if module == "LayerNormLinear" else 64, device=device)
         with torch.no_grad():
             m.layer_norm_weight.uniform_(0.5, 1.5)
         x = torch.randn(32, 64, device=device, requires_grad=True)
@@ -178,8 +176,7 @@ def test_layernorm_linear_checkpoint_gives_bitwise_the_same_gradients(recipe, de
             with octet.fp8_autocast(r, registry=reg):
                 y = checkpoint(m, x, use_reentrant=False) if use_checkpoint else m(x)
             y.square().sum().backward()
-            grads.append([t.grad.clone() for t in (x, m.weight, m.layer_norm_weight,
-                                                   m.layer_norm_bias)])
+            grads.append([t.grad.clone() for t in (x, *m.parameters())])
         return grads, reg.update_counts
 
     assert_checkpoint_changes_no_bit(run)
@@ -249,16 +246,7 @@ def test_layernorm_mlp_matches_torch_norm_linear_activation_linear(normalization
         if normalization == "LayerNorm":
             m.layer_norm_bias.uniform_(-0.5, 0.5)
     reference, pairs = torch_mlp_reference(m, device)
-    x = torch.randn(4, 8, 64, device=device, requires_grad=True)
-    xr = x.detach().clone().requires_grad_()
-    y, yr = m(x), reference(xr)
-    torch.testing.assert_close(y, yr, rtol=1e-5, atol=1e-5)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    yr.backward(dy)
-    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
-    for mine, theirs in pairs:
-        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    assert_matches_reference(m, reference, pairs, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -281,29 +269,6 @@ def test_layernorm_mlp_in_fp8_stays_near_its_f32_result(device):
     for got, ref in ((yq, yf), (xq.grad, xf.grad)):
         assert ((got - ref).norm() / ref.norm()).item() < 0.1
     assert reg.update_counts == (2, 2)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8-current"])
-def test_layernorm_mlp_checkpoint_gives_bitwise_the_same_gradients(recipe, device):
-    from torch.utils.checkpoint import checkpoint
-
-    def run(use_checkpoint):
-        torch.manual_seed(SEED)
-        m = ot.LayerNormMLP(64, 64, device=device)
-        with torch.no_grad():
-            m.layer_norm_weight.uniform_(0.5, 1.5)
-        x = torch.randn(32, 64, device=device, requires_grad=True)
-        r, reg = octet.Recipe.from_name(recipe), octet.Registry()
-        grads = []
-        for _ in range(2):
-            with octet.fp8_autocast(r, registry=reg):
-                y = checkpoint(m, x, use_reentrant=False) if use_checkpoint else m(x)
-            y.square().sum().backward()
-            grads.append([t.grad.clone() for t in (x, *m.parameters())])
-        return grads, reg.update_counts
-
-    assert_checkpoint_changes_no_bit(run)
 
 
 def test_layernorm_mlp_state_dict_and_bad_input():

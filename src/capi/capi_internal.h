@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <memory>
 #include <new>
 #include <optional>
 #include <string>
@@ -132,11 +133,14 @@ octet_linear make_linear(int64_t in_features, int64_t out_features, int bias, oc
                          float eps, DLDevice device, uint64_t seed, octet_dtype compute_dtype);
 /// The nn::ForwardMode of a C mode (throws on an unknown one).
 nn::ForwardMode to_mode(octet_forward_mode mode);
-/// A new record for a forward of `owner` in `mode`. For a recompute it checks `original` (made by
-/// the same owner's training forward) and passes it back for its snapshots; otherwise it checks
-/// that `original` is NULL and returns nullptr.
-const octet_saved* check_original(const void* owner, octet_forward_mode mode,
-                                  const octet_saved* original, const char* module);
+/// The checks every module's forward makes of its arguments (x, y and saved not NULL; `original`
+/// made by the same owner's training forward for a recompute, NULL otherwise), then the new
+/// record: for a recompute it starts from the original's snapshots. `module` names the owner's
+/// kind in messages.
+std::unique_ptr<octet_saved> begin_forward(const void* owner, const DLManagedTensor* x,
+                                           octet_forward_mode mode, const octet_saved* original,
+                                           DLManagedTensor** y, octet_saved** saved,
+                                           const char* module);
 /// An MLP record reduced to what recomputing it needs: both Linears' snapshots.
 inline nn::MLP::Saved snapshots_only(nn::MLP::Saved saved) {
   nn::MLP::Saved kept;

@@ -57,19 +57,29 @@ nn::ForwardMode to_mode(octet_forward_mode mode) {
                         detail::concat("unknown octet_forward_mode ", static_cast<int>(mode)));
 }
 
-const octet_saved* check_original(const void* owner, octet_forward_mode mode,
-                                  const octet_saved* original, const char* module) {
+std::unique_ptr<octet_saved> begin_forward(const void* owner, const DLManagedTensor* x,
+                                           octet_forward_mode mode, const octet_saved* original,
+                                           DLManagedTensor** y, octet_saved** saved,
+                                           const char* module) {
+  deref(y, "y");
+  deref(saved, "saved");
+  OCTET_CAPI_CHECK(x != nullptr, "x must not be NULL");
+  auto record = std::make_unique<octet_saved>();
+  record->owner = owner;
+  record->mode = mode;
   if (to_mode(mode) != nn::ForwardMode::recompute) {
     OCTET_CAPI_CHECK(original == nullptr,
                      "original must be NULL unless mode is OCTET_FORWARD_RECOMPUTE");
-    return nullptr;
+    return record;
   }
   const octet_saved& o = deref(original, "original (the record of the forward to recompute)");
   OCTET_CAPI_CHECK(o.owner == owner, "original: the record belongs to another ", module,
                    " than the one recomputing");
   OCTET_CAPI_CHECK(o.mode != OCTET_FORWARD_INFERENCE,
                    "original: an inference record cannot be recomputed for backward");
-  return &o;
+  record->saved = nn::Linear::Saved::from_snapshot(o.saved.snapshot);
+  record->mlp = snapshots_only(o.mlp);
+  return record;
 }
 
 void check_backward_record(const void* owner, const octet_saved* saved, const char* module) {
@@ -160,15 +170,8 @@ octet_status octet_linear_forward(octet_linear* linear, DLManagedTensor* x, octe
   octet::capi::Consumed input(x);
   return guarded([&] {
     nn::Linear& m = deref(linear, "linear").module;
-    deref(y, "y");
-    deref(saved, "saved");
-    OCTET_CAPI_CHECK(x != nullptr, "x must not be NULL");
     const nn::ForwardMode fm = octet::capi::to_mode(mode);
-    const octet_saved* o = octet::capi::check_original(linear, mode, original, "Linear");
-    auto record = std::make_unique<octet_saved>();
-    record->owner = linear;
-    record->mode = mode;
-    if (o != nullptr) record->saved = nn::Linear::Saved::from_snapshot(o->saved.snapshot);
+    auto record = octet::capi::begin_forward(linear, x, mode, original, y, saved, "Linear");
     const octet::Tensor xt = octet::capi::adopt(input.take(), "x");
     octet::capi::StreamJoin join(m.device(), stream);
     const std::optional<nn::Norm>& norm = linear->norm;

@@ -92,15 +92,8 @@ octet_status octet_mlp_forward(octet_mlp* mlp, DLManagedTensor* x, octet_forward
   octet::capi::Consumed input(x);
   return guarded([&] {
     octet_mlp& m = deref(mlp, "mlp");
-    deref(y, "y");
-    deref(saved, "saved");
-    OCTET_CAPI_CHECK(x != nullptr, "x must not be NULL");
     const nn::ForwardMode fm = octet::capi::to_mode(mode);
-    const octet_saved* o = octet::capi::check_original(mlp, mode, original, "MLP");
-    auto record = std::make_unique<octet_saved>();
-    record->owner = mlp;
-    record->mode = mode;
-    if (o != nullptr) record->mlp = octet::capi::snapshots_only(o->mlp);
+    auto record = octet::capi::begin_forward(mlp, x, mode, original, y, saved, "MLP");
     const octet::Tensor xt = octet::capi::adopt(input.take(), "x");
     nn::Linear& fc1 = m.fc1.module;
     nn::Linear& fc2 = m.fc2.module;
