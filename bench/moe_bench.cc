@@ -34,13 +34,21 @@ constexpr int kRepeats = 16;
 constexpr float kHScale = fp8::kE4M3Max / 4;
 
 double bytes_of(const Tensor& t) { return t.defined() ? static_cast<double>(t.nbytes()) : 0.0; }
+/// Bytes of `rows` rows of t [capacity, ...].
+double bytes_of_rows(const Tensor& t, int64_t rows) {
+  return bytes_of(t) / static_cast<double>(t.size(0)) * static_cast<double>(rows);
+}
 
 /// The routed layout every benchmark uses: token t's slots go to experts 2t and 2t + 1 mod 16, so
-/// each expert gets exactly kRowsPerExpert rows (no padding).
+/// each expert gets exactly kRowsPerExpert rows (no padding). The plan's capacity holds room for
+/// every group's worst padding beyond them: rows [grouped, capacity) belong to no expert, and the
+/// ops read nothing there (dispatch and the backward write zeros, the others skip them), so the
+/// benchmarks count those rows' bytes only where they are written.
 struct Field {
   ops::MoePlan plan;
   Tensor prob, row_prob;
   int64_t capacity = 0;
+  int64_t grouped = 0;  ///< rows in the experts' groups, offsets[experts]
 };
 
 const Field& field() {
@@ -52,6 +60,7 @@ const Field& field() {
     out.plan = ops::MoePlan::allocate(kTokens, kTopk, kExperts, device());
     ops::moe_plan(expert.to(device()), out.plan);
     out.capacity = out.plan.capacity();
+    out.grouped = out.plan.offsets.to(Device::cpu()).data<int32_t>()[kExperts];
     out.prob = random_tensor({kTokens, kTopk}, DType::f32, 1);
     out.row_prob = Tensor::empty({out.capacity}, DType::f32, device());
     ops::moe_gather_row_probs(out.prob, out.plan, out.row_prob);
@@ -67,7 +76,8 @@ void bm_dispatch(benchmark::State& state) {
     Tensor x = random_tensor({kTokens, kHidden}, DType::bf16, 2);
     Tensor permuted = Tensor::empty({f.capacity, kHidden}, DType::bf16, device());
     const double seconds = time_loop(state, [&] { ops::moe_dispatch(x, f.plan, permuted); });
-    const double bytes = 2 * bytes_of(permuted);  // each routed row read once, written once
+    // Each routed row read once; every row written (zeros outside the groups).
+    const double bytes = bytes_of_rows(permuted, f.grouped) + bytes_of(permuted);
     report_memory(state, seconds, bytes, bytes + bytes_of(f.plan.row_map));
     state.SetLabel("x rows -> expert-contiguous rows, vs D2D copy");
   });
@@ -81,7 +91,7 @@ void bm_combine(benchmark::State& state) {
     Tensor y = Tensor::empty({kTokens, kHidden}, DType::bf16, device());
     const double seconds =
         time_loop(state, [&] { ops::moe_combine(expert_out, f.prob, f.plan, y); });
-    const double bytes = bytes_of(expert_out) + bytes_of(y);
+    const double bytes = bytes_of_rows(expert_out, f.grouped) + bytes_of(y);
     report_memory(state, seconds, bytes, bytes + bytes_of(f.prob) + bytes_of(f.plan.slot_row));
     state.SetLabel("prob-weighted sum of each token's k rows, vs D2D copy");
   });
@@ -112,7 +122,7 @@ void bm_scaled_activation_cast(benchmark::State& state) {
       ops::moe_scaled_activation_forward(ops::MoeActivation::swiglu, fc1, f.row_prob, f.plan,
                                          bias, Tensor(), &casts);
     });
-    const double bytes = bytes_of(fc1) + fp8_bytes;
+    const double bytes = bytes_of_rows(fc1, f.grouped) + fp8_bytes;
     report_memory(state, seconds, bytes, bytes + bytes_of(f.row_prob) + bytes_of(bias));
     state.SetLabel("swiglu * prob + bias -> e4m3 row-wise + transposed per expert, vs D2D copy");
   });
@@ -146,7 +156,10 @@ void bm_scaled_activation_backward(benchmark::State& state) {
     copy_bandwidth();
     const Backward b = backward_buffers();
     const double seconds = time_loop(state, [&] { run_backward(b); });
-    const double bytes = bytes_of(b.dh) + bytes_of(b.fc1) + bytes_of(b.dfc1);
+    // dh and fc1 read in the groups; dfc1 written everywhere (zeros outside the groups).
+    const double bytes =
+        bytes_of_rows(b.dh, field().grouped) + bytes_of_rows(b.fc1, field().grouped) +
+        bytes_of(b.dfc1);
     const double tile_partials = static_cast<double>(field().capacity / ops::kMoeBiasTileRows) *
                                  kFfn * sizeof(float);  // written by the backward, read by pass 2
     report_memory(state, seconds, bytes,
