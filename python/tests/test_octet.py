@@ -435,6 +435,11 @@ def test_an_mlp_recomputes_bitwise_and_spends_its_record_in_backward(rng):
              ((mlp.fc1, "grad_weight"), (mlp.fc1, "grad_norm_weight"), (mlp.fc2, "grad_weight"))]
     with pytest.raises(octet.OctetValueError, match="released"):
         mlp.backward(dy, record)  # spent by the backward above
+    _, released = mlp.forward(x)  # outside autocast: no FP8 state touched
+    released.release_activations()
+    with pytest.raises(octet.OctetValueError, match="released"):
+        mlp.backward(dy, released)
+    del released
     y2, again = mlp.forward(x, mode="recompute", original=record)
     mlp.zero_grad(on_next_write=True)
     dx2 = mlp.backward(dy, again)
