@@ -235,7 +235,7 @@ OCTET_API octet_status octet_saved_release_activations(octet_saved* saved);
 OCTET_API void octet_saved_destroy(octet_saved* saved);
 
 /** Zeroes the gradients now (on_next_write = 0), or lets the next backward overwrite them instead
- * of adding to them (on_next_write = 1: no pass over the memory). */
+ * of adding to them (on_next_write = 1: no pass over the memory, and nothing queued on `stream`). */
 OCTET_API octet_status octet_linear_zero_grad(octet_linear* linear, int on_next_write,
                                               void* stream);
 /** The weights were changed in place (an optimizer step): the next forward casts them again. */

@@ -1,6 +1,7 @@
 // The C API's Linear module: create, forward, backward, parameter views and the FP8 state for
 // checkpoints (include/octet/octet.h).
 #include <memory>
+#include <optional>
 
 #include "capi/capi_internal.h"
 
@@ -219,8 +220,11 @@ void octet_saved_destroy(octet_saved* saved) { delete saved; }
 octet_status octet_linear_zero_grad(octet_linear* linear, int on_next_write, void* stream) {
   return guarded([&] {
     nn::Linear& m = deref(linear, "linear").module;
-    octet::capi::StreamJoin join(m.device(), stream);
     const nn::ZeroGrad how = on_next_write ? nn::ZeroGrad::on_next_write : nn::ZeroGrad::now;
+    // on_next_write only marks the gradients: no device work to order on the caller's stream,
+    // so none of the join's four CUDA calls (octet.torch's modules make this call every step).
+    std::optional<octet::capi::StreamJoin> join;
+    if (how == nn::ZeroGrad::now) join.emplace(m.device(), stream);
     m.zero_grad(how);
     if (linear->norm) linear->norm->zero_grad(how);
   });
