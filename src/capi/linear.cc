@@ -190,11 +190,8 @@ octet_status octet_linear_backward(octet_linear* linear, const DLTensor* dy,
     nn::Linear& m = deref(linear, "linear").module;
     deref(dx, "dx");
     octet::capi::check_backward_record(linear, saved, "Linear");
-    OCTET_CAPI_CHECK(saved->saved.filled(),
-                     "saved: the record's activations were released; recompute it "
-                     "(OCTET_FORWARD_RECOMPUTE) before backward");
     std::optional<nn::Norm>& norm = linear->norm;
-    OCTET_CAPI_CHECK(!norm || saved->norm.input.defined(),
+    OCTET_CAPI_CHECK(saved->saved.filled() && (!norm || saved->norm.input.defined()),
                      "saved: the record's activations were released; recompute it "
                      "(OCTET_FORWARD_RECOMPUTE) before backward");
     const octet::Tensor dyt = octet::capi::borrow(dy, "dy");

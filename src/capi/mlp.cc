@@ -2,6 +2,7 @@
 // LayerNormMLP. Its layers are octet_linear handles, so parameters, gradients and FP8 states go
 // through the Linear calls.
 #include <memory>
+#include <optional>
 
 #include "capi/capi_internal.h"
 #include "octet/ops/activation.h"
@@ -38,9 +39,6 @@ octet_activation from_activation(octet::ops::Activation activation) {
   }
   return OCTET_ACTIVATION_GELU;
 }
-
-/// The MLP's norm (fc1's), or nullptr.
-const nn::Norm* norm_of(const octet_mlp& mlp) { return mlp.fc1.norm ? &*mlp.fc1.norm : nullptr; }
 
 }  // namespace
 
@@ -100,7 +98,7 @@ octet_status octet_mlp_forward(octet_mlp* mlp, DLManagedTensor* x, octet_forward
     OCTET_CAPI_CHECK(xt.ndim() >= 1 && xt.size(-1) == fc1.in_features(), "x: the MLP expects [..., ",
                      fc1.in_features(), "], got ", xt.describe());
     octet::capi::StreamJoin join(fc1.device(), stream);
-    const nn::Norm* norm = norm_of(m);
+    const std::optional<nn::Norm>& norm = m.fc1.norm;  // the MLP's
     const octet::Tensor yt =
         norm ? nn::norm_mlp_forward(*norm, m.activation, fc1, fc2, xt, record->norm, record->mlp,
                                     fm)
@@ -118,7 +116,8 @@ octet_status octet_mlp_backward(octet_mlp* mlp, const DLTensor* dy, octet_saved*
     octet_mlp& m = deref(mlp, "mlp");
     deref(dx, "dx");
     octet::capi::check_backward_record(mlp, saved, "MLP");
-    OCTET_CAPI_CHECK(saved->mlp.hidden.defined() && (!norm_of(m) || saved->norm.input.defined()),
+    std::optional<nn::Norm>& norm = m.fc1.norm;  // the MLP's
+    OCTET_CAPI_CHECK(saved->mlp.hidden.defined() && (!norm || saved->norm.input.defined()),
                      "saved: the record's activations were released (by a backward or "
                      "octet_saved_release_activations); recompute it (OCTET_FORWARD_RECOMPUTE) "
                      "before backward");
@@ -129,16 +128,14 @@ octet_status octet_mlp_backward(octet_mlp* mlp, const DLTensor* dy, octet_saved*
                      "dy: the MLP's output is [..., ", fc2.out_features(), "], got ",
                      dyt.describe());
     octet::capi::StreamJoin join(fc1.device(), stream);
-    nn::Linear::Snapshot snap1 = saved->mlp.fc1.snapshot, snap2 = saved->mlp.fc2.snapshot;
-    const octet::Tensor dxt =
-        norm_of(m) ? nn::norm_mlp_backward(*m.fc1.norm, m.activation, fc1, fc2, dyt, saved->norm,
-                                           saved->mlp)
-                   : nn::mlp_backward(m.activation, fc1, fc2, dyt.view({-1, fc2.out_features()}),
-                                      saved->mlp)
-                         .view(dyt.shape());
     // What stays is what recomputing the record needs, as after octet_saved_release_activations.
-    saved->mlp.fc1 = nn::Linear::Saved::from_snapshot(std::move(snap1));
-    saved->mlp.fc2 = nn::Linear::Saved::from_snapshot(std::move(snap2));
+    nn::MLP::Saved kept = octet::capi::snapshots_only(saved->mlp);
+    const octet::Tensor dxt =
+        norm ? nn::norm_mlp_backward(*norm, m.activation, fc1, fc2, dyt, saved->norm, saved->mlp)
+             : nn::mlp_backward(m.activation, fc1, fc2, dyt.view({-1, fc2.out_features()}),
+                                saved->mlp)
+                   .view(dyt.shape());
+    saved->mlp = std::move(kept);
     saved->norm = nn::Norm::Saved{};
     *dx = octet::capi::export_tensor(dxt, stream);
   });
