@@ -403,7 +403,9 @@ class Linear:
                   int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
         self.has_bias = bool(bias)
         self._owner = None
-        self._forward_c, self._backward_c = _lib.linear_forward, _lib.linear_backward
+
+    # The C calls forward and backward make (octet.MLP reuses both methods with its own).
+    _forward_c, _backward_c = _lib.linear_forward, _lib.linear_backward
 
     @classmethod
     def _layer_of(cls, mlp, index):
@@ -420,7 +422,6 @@ class Linear:
         self.in_features, self.out_features = in_f.value, out_f.value
         self.has_bias, self.device = bool(bias.value), device
         self.norm = {v: k for k, v in _NORMS.items()}.get(norm.value)
-        self._forward_c, self._backward_c = _lib.linear_forward, _lib.linear_backward
         return self
 
     def forward(self, x, mode="training", original: Record | None = None, stream=None,
@@ -538,15 +539,15 @@ class MLP:
         self.device = _parse_device(device)
         # The handle is freed when neither this object nor its layers use it (no reference cycle,
         # so it goes as soon as the last of them does).
-        self._owned = _Owned(_lib.lib.octet_mlp_destroy)
+        self._owned = _SharedHandle(_lib.lib.octet_mlp_destroy)
         self._handle = self._owned.handle
         _lib.call("octet_mlp_create", self.hidden, self.ffn, int(bool(bias)),
                   _enum(_ACTIVATIONS, activation, "activation"),
                   0 if norm is None else _enum(_NORMS, norm, "norm"), float(eps), self.device,
                   int(seed), _enum(_DTYPES, dtype, "dtype"), ctypes.byref(self._handle))
         self.fc1, self.fc2 = Linear._layer_of(self, 0), Linear._layer_of(self, 1)
-        self._forward_c, self._backward_c = _lib.mlp_forward, _lib.mlp_backward
 
+    _forward_c, _backward_c = _lib.mlp_forward, _lib.mlp_backward
     forward = Linear.forward
     backward = Linear.backward
 
@@ -559,7 +560,7 @@ class MLP:
         self.fc2.weights_updated()
 
 
-class _Owned:
+class _SharedHandle:
     """A C handle that `destroy` frees when the last Python object holding this goes."""
 
     __slots__ = ("handle", "destroy")

@@ -321,7 +321,6 @@ class LayerNormLinear(Linear):
     the GEMM's FP8 input in its own pass over x (no high-precision norm output is made); everything
     else (parameters, FP8 state, checkpointing) is as octet.torch.Linear."""
 
-
     def __init__(self, in_features, out_features, eps=1e-5, bias=True, normalization="LayerNorm",
                  device=None, dtype=None, seed=None):
         torch.nn.Module.__init__(self)
