@@ -658,6 +658,20 @@ void expect_same_tensors(const NormLinearRun& a, const NormLinearRun& b) {
     EXPECT_TRUE(bitwise_equal(a.tensors[i], b.tensors[i])) << "tensor " << i;
 }
 
+/// Runs the norm and its module (as run_norm_linear) with every fused cast, with `fusions` off and
+/// with recompute, expecting bitwise the same tensors; returns the fused run.
+NormLinearRun expect_fusions_and_recompute_change_nothing(
+    const Device& device, NormKind kind, const BlockPrecision& p, uint64_t seed,
+    const std::vector<Fusion>& fusions, std::optional<ops::Activation> mlp = std::nullopt) {
+  const NormLinearRun fused = run_norm_linear(device, kind, p, false, seed, mlp);
+  {
+    const UnfusedScope off(fusions);
+    expect_same_tensors(fused, run_norm_linear(device, kind, p, false, seed, mlp));
+  }
+  expect_same_tensors(fused, run_norm_linear(device, kind, p, true, seed, mlp));
+  return fused;
+}
+
 using NormLinearParam = std::tuple<Device, NormKind, BlockPrecision>;
 class NormLinearTest : public ::testing::TestWithParam<NormLinearParam> {};
 
@@ -670,12 +684,9 @@ TEST_P(NormLinearTest, FusedCastIsBitwiseTheUnfusedAndRecomputeTheOriginal) {
   OCTET_SKIP_IF_UNAVAILABLE(device);
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const NormLinearRun fused = run_norm_linear(device, kind, precision, false, seed);
-  {
-    const UnfusedScope off({Fusion::norm_cast});
-    expect_same_tensors(fused, run_norm_linear(device, kind, precision, false, seed));
-  }
-  expect_same_tensors(fused, run_norm_linear(device, kind, precision, true, seed));
+  const NormLinearRun fused =
+      expect_fusions_and_recompute_change_nothing(device, kind, precision, seed,
+                                                  {Fusion::norm_cast});
   if (precision.activation != DType::f32 || precision.recipe) return;
   // f32: y against the norm and the Linear run apart.
   Norm norm(kind, kDim, 1e-5f, device);
@@ -715,13 +726,9 @@ TEST_P(NormMlpTest, FusedCastsAreBitwiseTheUnfusedAndRecomputeTheOriginal) {
   OCTET_SKIP_IF_UNAVAILABLE(device);
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  const NormLinearRun fused = run_norm_linear(device, kind, precision, false, seed, activation);
-  {
-    const UnfusedScope off(
-        {Fusion::norm_cast, Fusion::activation_cast, Fusion::activation_grad_cast});
-    expect_same_tensors(fused, run_norm_linear(device, kind, precision, false, seed, activation));
-  }
-  expect_same_tensors(fused, run_norm_linear(device, kind, precision, true, seed, activation));
+  const NormLinearRun fused = expect_fusions_and_recompute_change_nothing(
+      device, kind, precision, seed,
+      {Fusion::norm_cast, Fusion::activation_cast, Fusion::activation_grad_cast}, activation);
   if (precision.activation != DType::f32 || precision.recipe) return;
   // f32: y against the norm and mlp_forward run apart.
   Norm norm(kind, kDim, 1e-5f, device);
