@@ -37,7 +37,9 @@ endif()
 if(OCTET_BUILD_TESTS)
   enable_language(C)
   # Written in C11 and compiled as C: the header must stay plain C.
-  add_executable(octet_capi_test ${PROJECT_SOURCE_DIR}/tests/capi/capi_test.c)
+  add_executable(octet_capi_test ${PROJECT_SOURCE_DIR}/tests/capi/capi_test.c
+                                 ${PROJECT_SOURCE_DIR}/tests/capi/capi_modules_test.c
+                                 ${PROJECT_SOURCE_DIR}/tests/capi/capi_check.c)
   set_target_properties(octet_capi_test PROPERTIES C_STANDARD 11 C_STANDARD_REQUIRED ON
                         C_EXTENSIONS OFF)
   target_compile_options(octet_capi_test PRIVATE -Wall -Wextra -Werror -pedantic)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tests octet's bindings on the CPU (GPU cases skip themselves without a GPU):
-#   1. the C API's test program, written in C (tests/capi/capi_test.c);
+#   1. the C API's test program, written in C (tests/capi/*.c);
 #   2. a downstream CMake project linking the installed C API through find_package(octet);
 #   3. the Python package's pytest suite (python/tests), loading the liboctet_c just built through
 #      OCTET_C_LIBRARY instead of building the package again; tests needing PyTorch skip without it.
