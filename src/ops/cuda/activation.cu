@@ -209,8 +209,8 @@ struct ActivationTile {
 
   __device__ void stage(const quant::TileParams& p, T* tile, int64_t r0, int64_t c0) const {
     // Synchronous loads, four chunks in flight: an in-place variant that staged x by cp.async
-    // (all chunks in flight, the output computed in shared memory) measured slower on the H200
-    // (1.5B step: GELU forward 6.1 -> 8.1 ms, backward 7.5 -> 9.7 ms).
+    // (all chunks in flight, the output computed in shared memory) is slower, by about a third in
+    // both directions (docs/PERFORMANCE.md, "Designs that measured slower").
 #pragma unroll 4
     for (int i = 0; i < kChunks; ++i) {
       const int idx = static_cast<int>(threadIdx.x) + i * quant::kTileThreads;

@@ -253,10 +253,10 @@ __device__ __forceinline__ void stage_row(const T* l, T* row, int64_t vocab) {
 }
 
 // cross_entropy_kernel reads each row from global memory three times (max, sum, gradient): at
-// GPT-2's shape (8192 rows x vocab 50304, bf16 logits, 100 KB a row) Nsight Compute measured
-// 1184 us and 2.4 GB of DRAM traffic for 1.65 GB of unavoidable bytes (one read of the logits, one
-// write of the gradient) on an H200 (2026-12-01). This kernel reads the row once into shared memory
-// and takes the three passes from there.
+// GPT-2's shape (8192 rows x vocab 50304, bf16 logits, 100 KB a row) a row falls out of the L2
+// between the passes, so DRAM moves about 1.5 times the unavoidable bytes (one read of the
+// logits, one write of the gradient; docs/PERFORMANCE.md has the profile). This kernel reads the
+// row once into shared memory and takes the three passes from there.
 
 /// cross_entropy_kernel for a row that fits in shared memory (vocab * sizeof(T) bytes of dynamic
 /// shared memory): the same operations on the same values, so the same bits, with the row read

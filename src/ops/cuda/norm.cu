@@ -6,9 +6,9 @@
 // columns: every GPT-2 and Llama width octet trains) take the warp-row kernel: one warp per row,
 // the row held in registers, every load issued before the first use, and warp-shuffle reductions
 // with no CTA barrier per row. Longer or unaligned rows take the general kernel. (A warp-row
-// backward, holding dy and x of a row in registers, measured slower than the general backward on
-// the H200: 8.5 against 6.3 ms per GPT-2 1.5B step, 2026-12-01; its 186 registers left one CTA
-// of 8 warps per SM.)
+// backward, holding dy and x of a row in registers, is slower than the general backward: its 186
+// registers leave one CTA of 8 warps per SM; docs/PERFORMANCE.md, "Designs that measured
+// slower".)
 //
 // Forward: the row is read from global memory once, kept as f32 (registers, or shared memory in
 // the general kernel), and reduced twice (mean, then the sum of squares around it), then
@@ -47,8 +47,9 @@ constexpr int kMaxRowsPerCta = kCtaThreads / kWarpSize;
 /// put more rows in flight; each costs 16 bytes per column of scratch traffic (the partials
 /// written and read back), 17% of the bf16 traffic (dy and x read, dx written: 6 bytes per
 /// element) when a tile holds 16 rows. At 256 tiles (GPT-2 1.5B, 8192 x 1600: 2 CTAs per SM) the
-/// per-row reductions' latency, not bandwidth, bounded the kernel: 66 us per call on an H200
-/// against 19 us for its bytes (2026-11-30); 512 tiles double the rows in flight.
+/// per-row reductions' latency, not bandwidth, bounds the kernel (at about a third of the rate
+/// its bytes allow; docs/PERFORMANCE.md, "Designs that measured slower"); 512 tiles double the
+/// rows in flight.
 constexpr int64_t kTargetTiles = 512;
 /// Dynamic shared memory a kernel may use without opting in.
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;

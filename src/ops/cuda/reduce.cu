@@ -20,8 +20,9 @@ constexpr int kTilesPerBlock = 8;
 /// Runs (of kSumRowsRunRows rows) whose loads a thread issues before adding them (in order): a
 /// thread's sum is a sequential chain, so the bytes in flight per thread are what hide DRAM
 /// latency. With 4 columns per thread, 2 runs put 256 bytes of bf16 in flight per thread: at
-/// GPT-2 1.5B's 8192 x 1600 that is 6.5 MB over the GPU, where 8 rows of 2 columns (the first
-/// form) had 1.6 MB and measured 65 us per call (21% of the copy rate; 2026-12-01, H200).
+/// GPT-2 1.5B's 8192 x 1600 that is 6.5 MB over the GPU, four times what 8 rows of 2 columns
+/// put there, a form that ran at a fifth of the copy rate (docs/PERFORMANCE.md, "Designs that
+/// measured slower").
 constexpr int kRunsInFlight = 2;
 constexpr int kRowsInFlight = kRunsInFlight * static_cast<int>(kSumRowsRunRows);
 /// Threads per block of the second pass, one column each: small blocks spread a bias's few
