@@ -175,56 +175,37 @@ __global__ void dispatch_kernel(const Unit* x, const int32_t* row_map, int64_t u
 /// Slots whose rows a thread loads before it adds them: top-2 in one batch. Larger batches cost
 /// registers (top-4 takes 64 a thread for bf16) and so CTAs per SM.
 constexpr int kSlotBatch = 2;
-/// Tokens a CTA combines together: every slot index, then every row pack of a slot batch, of all
-/// of them is loaded before the first add, so a thread keeps kCombineTokens * kSlotBatch packs of
-/// gathered rows in flight (the rows' reads are what DRAM's latency stalls; stores do not wait).
-constexpr int kCombineTokens = 2;
 
 /// y[t] = the sum over token t's slots, in slot order, of prob * rows[slot's row] (the row alone
-/// without prob: dispatch's backward). A CTA owns kCombineTokens consecutive tokens and a thread
-/// packs of kN columns of each.
+/// without prob: dispatch's backward). A thread owns packs of kN columns and issues the loads of
+/// up to kSlotBatch slots before their adds, so each thread has top-k packs in flight.
 template <typename T, int kN>
 __global__ void combine_kernel(const T* __restrict__ rows, const float* __restrict__ prob,
-                               const int32_t* __restrict__ slot_row, int64_t tokens, int64_t dim,
-                               int64_t topk, T* __restrict__ y) {
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kCombineTokens;
-  const int owned = static_cast<int>(tokens - t0 < kCombineTokens ? tokens - t0 : kCombineTokens);
+                               const int32_t* __restrict__ slot_row, int64_t dim, int64_t topk,
+                               T* __restrict__ y) {
+  const int64_t t = blockIdx.x;
+  const int32_t* slots = slot_row + t * topk;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * kN; c < dim; c += blockDim.x * kN) {
-    float acc[kCombineTokens][kN];
+    float acc[kN];
 #pragma unroll
-    for (int i = 0; i < kCombineTokens; ++i)
-#pragma unroll
-      for (int k = 0; k < kN; ++k) acc[i][k] = 0.0f;
+    for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
     for (int64_t s0 = 0; s0 < topk; s0 += kSlotBatch) {
-      // raw packs, so that a pack of bf16 takes 4 registers, not 8
-      Pack<T, kN> v[kCombineTokens][kSlotBatch];
-      int32_t row[kCombineTokens][kSlotBatch];
+      Pack<T, kN> v[kSlotBatch];  // raw, so that a pack of bf16 takes 4 registers, not 8
 #pragma unroll
-      for (int i = 0; i < kCombineTokens; ++i)
+      for (int b = 0; b < kSlotBatch; ++b)
+        if (s0 + b < topk) v[b] = load_pack<kN>(rows + slots[s0 + b] * dim + c);
 #pragma unroll
-        for (int b = 0; b < kSlotBatch; ++b)
-          row[i][b] = i < owned && s0 + b < topk ? slot_row[(t0 + i) * topk + s0 + b] : -1;
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (s0 + b >= topk) continue;
+        const float w = prob != nullptr ? prob[t * topk + s0 + b] : 1.0f;
 #pragma unroll
-      for (int i = 0; i < kCombineTokens; ++i)
-#pragma unroll
-        for (int b = 0; b < kSlotBatch; ++b)
-          if (row[i][b] >= 0) v[i][b] = load_pack<kN>(rows + row[i][b] * dim + c);
-#pragma unroll
-      for (int i = 0; i < kCombineTokens; ++i)
-#pragma unroll
-        for (int b = 0; b < kSlotBatch; ++b) {
-          if (row[i][b] < 0) continue;
-          const float w = prob != nullptr ? prob[(t0 + i) * topk + s0 + b] : 1.0f;
-#pragma unroll
-          for (int k = 0; k < kN; ++k) {
-            const float x = to_float(v[i][b].v[k]);
-            acc[i][k] = rn::add(acc[i][k], prob != nullptr ? rn::mul(w, x) : x);
-          }
+        for (int k = 0; k < kN; ++k) {
+          const float x = to_float(v[b].v[k]);
+          acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
         }
+      }
     }
-#pragma unroll
-    for (int i = 0; i < kCombineTokens; ++i)
-      if (i < owned) store_pack<kN>(y + (t0 + i) * dim + c, round_pack<T>(acc[i]));
+    store_pack<kN>(y + t * dim + c, round_pack<T>(acc));
   }
 }
 
@@ -297,9 +278,9 @@ void combine(const Tensor& rows, const Tensor& prob, const MoePlan& plan, const 
     using T = decltype(type);
     visit_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
       combine_kernel<T, decltype(pack)::value>
-          <<<static_cast<unsigned>(ceil_div(y.rows(), kCombineTokens)), kThreads, 0, stream>>>(
+          <<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
               in<T>(rows), prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.slot_row),
-              y.rows(), y.cols(), plan.slot_row.size(1), out<T>(y));
+              y.cols(), plan.slot_row.size(1), out<T>(y));
       OCTET_CHECK_LAUNCH();
     });
   });
