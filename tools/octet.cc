@@ -18,6 +18,26 @@ int report(const std::string& message) {
   return 1;
 }
 
+/// A number above (or at least) zero. CLI11's own range validators print the limits of a double;
+/// these say the rule and the value. A value that is no number passes on to the conversion,
+/// whose error names the type expected.
+CLI::Validator at_least_zero(bool strictly) {
+  return CLI::Validator(
+      [strictly](std::string& text) -> std::string {
+        double value = 0;
+        try {
+          value = std::stod(text);
+        } catch (const std::exception&) {
+          return {};
+        }
+        if (strictly ? value > 0 : value >= 0) return {};
+        return std::string(strictly ? "must be > 0" : "must be >= 0") + ", got " + text;
+      },
+      strictly ? "> 0" : ">= 0");
+}
+const CLI::Validator kPositive = at_least_zero(true);
+const CLI::Validator kNonNegative = at_least_zero(false);
+
 void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--device", o.device,
                   "cpu, cuda or cuda:N (default: cuda when a GPU is visible); a list such as "
@@ -29,7 +49,8 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
                   "fp8-delayed: amax history rows (TE amax_history_len; default 1024)");
   cmd->add_option("--amax-algo", o.amax_algo,
                   "fp8-delayed: max or most_recent (TE amax_compute_algo; default max)");
-  cmd->add_option("--margin", o.margin, "fp8-delayed: scales divided by 2^M (TE margin; default 0)");
+  cmd->add_option("--margin", o.margin,
+                  "fp8-delayed: scales divided by 2^M (TE margin; default 0)");
   cmd->add_option("--fp8-format", o.fp8_format,
                   "fp8-delayed/-current: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (TE "
                   "fp8_format; default hybrid)");
@@ -46,36 +67,45 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
   cmd->add_option("--model", o.model,
                   "tiny, gpt2-124m, gpt2-350m, gpt2-1.5b, llama-1b, moe-tiny or moe-16x2048 "
                   "(default: tiny on CPU, gpt2-124m on GPU)");
-  cmd->add_option("--layers", o.layers, "override the preset's layer count");
-  cmd->add_option("--dim", o.dim, "override the model width");
-  cmd->add_option("--heads", o.heads, "override the number of attention heads");
-  cmd->add_option("--ffn", o.ffn, "override the MLP hidden width");
-  cmd->add_option("--vocab", o.vocab, "override the vocabulary size (a multiple of 16)");
+  cmd->add_option("--layers", o.layers, "override the preset's layer count")->check(kPositive);
+  cmd->add_option("--dim", o.dim, "override the model width")->check(kPositive);
+  cmd->add_option("--heads", o.heads, "override the number of attention heads")->check(kPositive);
+  cmd->add_option("--ffn", o.ffn, "override the MLP hidden width")->check(kPositive);
+  cmd->add_option("--vocab", o.vocab, "override the vocabulary size (a multiple of 16)")
+      ->check(kPositive);
   cmd->add_option("--experts", o.experts,
-                  "mixture of experts: experts per MoE layer (0: dense; default: the preset's)");
-  cmd->add_option("--topk", o.topk, "MoE: experts per token (default 2)");
-  cmd->add_option("--act", o.moe_activation, "MoE: the experts' activation: swiglu, geglu, "
+                  "mixture of experts: experts per MoE layer (0: dense; default: the preset's)")
+      ->check(kNonNegative);
+  cmd->add_option("--topk", o.topk, "MoE: experts per token (default 2)")->check(kPositive);
+  cmd->add_option("--act", o.moe_activation,
+                  "MoE: the experts' activation: swiglu, geglu, "
                   "srelu or gelu (default swiglu)");
   cmd->add_option("--moe-every", o.moe_every,
-                  "MoE: every L-th layer is an MoE layer (1: all, 2: every second; default 1)");
+                  "MoE: every L-th layer is an MoE layer (1: all, 2: every second; default 1)")
+      ->check(kPositive);
   cmd->add_option("--aux-loss-coef", o.aux_loss_coef,
-                  "MoE: load-balancing loss weight (0: off; default 0.01)");
+                  "MoE: load-balancing loss weight (0: off; default 0.01)")
+      ->check(kNonNegative);
   cmd->add_option("--router", o.router,
                   "MoE: the router's scoring: softmax (Mixtral) or sigmoid (DeepSeek-V3; "
                   "default softmax)");
   cmd->add_option("--z-loss-coef", o.z_loss_coef, "MoE: router z-loss weight (0: off; default 0)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd->add_flag("--shared-expert", o.shared_expert,
                 "MoE: add a dense MLP of width ffn that every token also goes through");
   cmd->add_option("--data", o.data, "builtin, text:FILE or bin:GLOB (llm.c shards)")
       ->capture_default_str();
-  cmd->add_option("--steps", o.steps, "optimizer steps");
-  cmd->add_option("--batch", o.batch, "sequences per microbatch");
-  cmd->add_option("--seq", o.seq, "tokens per sequence");
+  cmd->add_option("--steps", o.steps, "optimizer steps")->check(kPositive);
+  cmd->add_option("--batch", o.batch, "sequences per microbatch")->check(kPositive);
+  cmd->add_option("--seq", o.seq, "tokens per sequence")->check(kPositive);
   cmd->add_option("--accum", o.accum, "microbatches per optimizer step")->capture_default_str();
   cmd->add_option("--lr", o.lr,
-                  "peak learning rate (default: by the model's width, from the GPT-3 table)");
-  cmd->add_option("--warmup", o.warmup, "warmup steps (default: by the model's width, 20 at tiny to 200 from gpt2-124m up)");
+                  "peak learning rate (default: by the model's width, from the GPT-3 table)")
+      ->check(kPositive);
+  cmd->add_option(
+         "--warmup", o.warmup,
+         "warmup steps (default: by the model's width, 20 at tiny to 200 from gpt2-124m up)")
+      ->check(kNonNegative);
   cmd->add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
   cmd->add_option("--grad-clip", o.grad_clip, "global grad-norm clip (0: off)")
       ->capture_default_str();

@@ -118,6 +118,36 @@ TEST(Cli, ImpossibleSizesAreOneLine) {
                         "batch*seq must be at most 2147483647 tokens");
 }
 
+// Options whose unset value is 0 or -1 inside TrainOptions: a user who types that value gets an
+// error, not the default in silence.
+TEST(Cli, ValuesThatMeanUnsetInsideAreRefused) {
+  const auto dir = testing::scratch_dir();
+  for (const char* flag : {"--batch", "--seq", "--steps", "--lr", "--dim", "--layers", "--heads",
+                           "--ffn", "--vocab"}) {
+    expect_one_error_line(run_octet(std::string("train --device cpu ") + flag + " 0", dir),
+                          std::string(flag) + ": must be > 0, got 0");
+  }
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --moe-every 0", dir),
+                        "--moe-every: must be > 0, got 0");
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --topk 0", dir),
+                        "--topk: must be > 0, got 0");
+  expect_one_error_line(run_octet("train --device cpu --experts 4 --aux-loss-coef -1", dir),
+                        "--aux-loss-coef: must be >= 0, got -1");
+  expect_one_error_line(run_octet("train --device cpu --experts -1", dir),
+                        "--experts: must be >= 0, got -1");
+  expect_one_error_line(run_octet("train --device cpu --warmup -1", dir),
+                        "--warmup: must be >= 0, got -1");
+}
+
+// A failed check shows its message, never the C++ condition behind it.
+TEST(Cli, ErrorsShowNoCheckedCondition) {
+  const auto dir = testing::scratch_dir();
+  const CliResult r = run_octet("train --device cpu --dim 30 --heads 4 --steps 1", dir);
+  expect_one_error_line(r, "heads (4) must divide dim (30)");
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("check failed")));
+  EXPECT_THAT(r.output, ::testing::Not(HasSubstr("dim % heads")));
+}
+
 TEST(Cli, MissingDataAndCheckpointAreOneLine) {
   const auto dir = testing::scratch_dir();
   expect_one_error_line(run_octet("train --device cpu --data text:nope.txt --steps 1", dir),
