@@ -22,8 +22,9 @@ int report(const std::string& message) {
 /// these say the rule and the value. A value that is no number passes on to the conversion,
 /// whose error names the type expected.
 CLI::Validator at_least_zero(bool strictly) {
+  const std::string rule = strictly ? "> 0" : ">= 0";
   return CLI::Validator(
-      [strictly](std::string& text) -> std::string {
+      [strictly, rule](std::string& text) -> std::string {
         double value = 0;
         try {
           value = std::stod(text);
@@ -31,9 +32,9 @@ CLI::Validator at_least_zero(bool strictly) {
           return {};
         }
         if (strictly ? value > 0 : value >= 0) return {};
-        return std::string(strictly ? "must be > 0" : "must be >= 0") + ", got " + text;
+        return "must be " + rule + ", got " + text;
       },
-      strictly ? "> 0" : ">= 0");
+      rule);
 }
 const CLI::Validator kPositive = at_least_zero(true);
 const CLI::Validator kNonNegative = at_least_zero(false);
@@ -78,8 +79,7 @@ void add_train_options(CLI::App* cmd, octet::train::TrainOptions& o) {
       ->check(kNonNegative);
   cmd->add_option("--topk", o.topk, "MoE: experts per token (default 2)")->check(kPositive);
   cmd->add_option("--act", o.moe_activation,
-                  "MoE: the experts' activation: swiglu, geglu, "
-                  "srelu or gelu (default swiglu)");
+                  "MoE: the experts' activation: swiglu, geglu, srelu or gelu (default swiglu)");
   cmd->add_option("--moe-every", o.moe_every,
                   "MoE: every L-th layer is an MoE layer (1: all, 2: every second; default 1)")
       ->check(kPositive);

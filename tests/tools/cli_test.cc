@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <string>
+#include <utility>
 
 #include "octet/core/device.h"
 #include "test_util.h"
@@ -122,21 +123,25 @@ TEST(Cli, ImpossibleSizesAreOneLine) {
 // error, not the default in silence.
 TEST(Cli, ValuesThatMeanUnsetInsideAreRefused) {
   const auto dir = testing::scratch_dir();
-  for (const char* flag : {"--batch", "--seq", "--steps", "--lr", "--dim", "--layers", "--heads",
-                           "--ffn", "--vocab"}) {
-    expect_one_error_line(run_octet(std::string("train --device cpu ") + flag + " 0", dir),
-                          std::string(flag) + ": must be > 0, got 0");
-  }
-  expect_one_error_line(run_octet("train --device cpu --experts 4 --moe-every 0", dir),
-                        "--moe-every: must be > 0, got 0");
-  expect_one_error_line(run_octet("train --device cpu --experts 4 --topk 0", dir),
-                        "--topk: must be > 0, got 0");
-  expect_one_error_line(run_octet("train --device cpu --experts 4 --aux-loss-coef -1", dir),
-                        "--aux-loss-coef: must be >= 0, got -1");
-  expect_one_error_line(run_octet("train --device cpu --experts -1", dir),
-                        "--experts: must be >= 0, got -1");
-  expect_one_error_line(run_octet("train --device cpu --warmup -1", dir),
-                        "--warmup: must be >= 0, got -1");
+  // (flags, the error); the MoE flags come with --experts 4.
+  const std::pair<const char*, const char*> cases[] = {
+      {"--batch 0", "--batch: must be > 0, got 0"},
+      {"--seq 0", "--seq: must be > 0, got 0"},
+      {"--steps 0", "--steps: must be > 0, got 0"},
+      {"--lr 0", "--lr: must be > 0, got 0"},
+      {"--dim 0", "--dim: must be > 0, got 0"},
+      {"--layers 0", "--layers: must be > 0, got 0"},
+      {"--heads 0", "--heads: must be > 0, got 0"},
+      {"--ffn 0", "--ffn: must be > 0, got 0"},
+      {"--vocab 0", "--vocab: must be > 0, got 0"},
+      {"--experts 4 --moe-every 0", "--moe-every: must be > 0, got 0"},
+      {"--experts 4 --topk 0", "--topk: must be > 0, got 0"},
+      {"--experts 4 --aux-loss-coef -1", "--aux-loss-coef: must be >= 0, got -1"},
+      {"--experts -1", "--experts: must be >= 0, got -1"},
+      {"--warmup -1", "--warmup: must be >= 0, got -1"},
+  };
+  for (const auto& [flags, error] : cases)
+    expect_one_error_line(run_octet(std::string("train --device cpu ") + flags, dir), error);
 }
 
 // A failed check shows its message, never the C++ condition behind it.
