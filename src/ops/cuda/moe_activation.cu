@@ -7,7 +7,8 @@
 //     scaling modes stage h in the tile quantizer (quantize_tile.cuh);
 //   - backward: one warp per row, whose dprob is that warp's fixed-order reduction (WarpFold), and
 //     one CTA per 16-row dbias tile, whose partial sums sit in their own slots until a second pass
-//     adds each expert's tiles in order.
+//     adds each expert's tiles in order; rows of 16-byte packs read the next strip by cp.async
+//     while computing this one.
 // No float atomics (DESIGN.md rule 3): every output is the same bytes on every run.
 #include <cuda_runtime.h>
 
@@ -17,6 +18,7 @@
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
 #include "ops/cuda/launch_util.cuh"
+#include "ops/cuda/mma_util.cuh"
 #include "ops/cuda/quantize_tile.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
@@ -41,10 +43,14 @@ struct ActivationIn {
   float gate[kN], up[kN];
 
   template <typename T>
-  __device__ ActivationIn(const T* x, int64_t f, int64_t j) {
-    load_floats<kN>(x + j, gate);
+  __device__ ActivationIn(const T* x, int64_t f, int64_t j) : ActivationIn(x + j, x + f + j) {}
+
+  /// From the gate's pack at `gate_at` and, for the gated activations, the up pack at `up_at`.
+  template <typename T>
+  __device__ ActivationIn(const T* gate_at, const T* up_at) {
+    load_floats<kN>(gate_at, gate);
     if constexpr (moe::gated(kAct)) {
-      load_floats<kN>(x + f + j, up);
+      load_floats<kN>(up_at, up);
     } else {
 #pragma unroll
       for (int k = 0; k < kN; ++k) up[k] = 0.0f;
@@ -378,11 +384,33 @@ constexpr int kBackwardThreads = kBackwardRows * kWarpSize;
 /// CTAs per SM that the backward's register budget must allow (64 registers a thread).
 constexpr int kBackwardCtasPerSm = 2;
 
+/// The inputs a lane reads for one pack of the backward: dh, the gate and, gated, the up half.
+template <MoeActivation kAct>
+inline constexpr int kBackwardInputs = moe::gated(kAct) ? 3 : 2;
+
+/// Strips whose reads the backward stages in shared memory, for rows of 16-byte packs: the strip
+/// being computed and the next one in flight (three or four measured slower; PERFORMANCE.md).
+constexpr int kBackwardStages = 2;
+
+/// Dynamic shared memory of the backward with `stages` strips of 16-byte packs staged.
+template <MoeActivation kAct>
+constexpr size_t backward_stage_bytes(int stages) {
+  return static_cast<size_t>(stages) * kBackwardInputs<kAct> * kBackwardThreads * kVectorBytes;
+}
+
 /// CTA b owns rows [16 b, 16 b + 16), warp w row 16 b + w: dfc1 and d_row_prob of that row (its
 /// fixed-order reduction over the row's F columns, WarpFold) from one pass over the row in
 /// strips, and, when dbias_partial is set, the tile's dbias partial: sum over the tile's mapped
 /// rows, in row order, of dh * prob, each strip's terms crossing through shared memory.
-template <typename T, MoeActivation kAct, int kN>
+///
+/// kStages > 0 (16-byte packs only): each lane copies its packs of the next kStages strips into
+/// its own slots of shared memory (cp.async), and refills a strip's slots once it has computed it
+/// (its stores used every value read from them), so kStages - 1 strips of reads stay in flight
+/// through each strip's arithmetic, stores and barriers without holding registers (prefetching
+/// into registers spilled under the 64-register cap). A lane reads only the slots it filled, so
+/// its own cp.async wait orders them. kStages = 0 loads straight into registers. Both read the
+/// same values, so the same bits.
+template <typename T, MoeActivation kAct, int kN, int kStages>
 __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
     scaled_activation_backward_kernel(const T* __restrict__ dh, const T* __restrict__ fc1,
                                       const float* __restrict__ row_prob,
@@ -394,8 +422,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
   using Fold = WarpFold<kLanes, kN, SumOp>;
   constexpr int kStrip = Fold::kStrip;
   constexpr bool kGated = moe::gated(kAct);
+  constexpr int kInputs = kBackwardInputs<kAct>;
+  static_assert(kStages == 0 || kN * sizeof(T) == kVectorBytes, "cp.async stages 16-byte packs");
   __shared__ __align__(kVectorBytes) float strip_terms[kBackwardRows][kStrip];
   __shared__ bool mapped_rows[kBackwardRows];
+  extern __shared__ uint4 staged[];  // [kStages][kInputs][kBackwardThreads] when kStages > 0
   const int w = static_cast<int>(threadIdx.x) / kWarpSize;
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
   const int64_t in_cols = kGated ? 2 * f : f;
@@ -411,13 +442,45 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
   T* d = dfc1 + r * in_cols;
   const float* b = bias != nullptr && live ? bias + e * f : nullptr;
   const float p = mapped ? row_prob[r] : 0.0f;
+  const int64_t strips = ceil_div(f, static_cast<int64_t>(kStrip));
+  // This lane's slot of input i for strip q.
+  const auto slot = [&](int64_t q, int i) {
+    return reinterpret_cast<T*>(
+        &staged[((q % (kStages > 0 ? kStages : 1)) * kInputs + i) * kBackwardThreads +
+                threadIdx.x]);
+  };
+  // Starts this lane's copies of strip q (none past the row or for unmapped rows), as one group.
+  const auto stage = [&](int64_t q) {
+    const int64_t j = q * kStrip + static_cast<int64_t>(lane) * kN;
+    if (q < strips && inside && j < f && mapped) {
+      cp_async_16(slot(q, 0), dh + r * f + j);
+      if (live) {
+        cp_async_16(slot(q, 1), x + j);
+        if constexpr (kGated) cp_async_16(slot(q, 2), x + f + j);
+      }
+    }
+    cp_async_commit();
+  };
+  if constexpr (kStages > 0) {
+#pragma unroll
+    for (int q = 0; q < kStages; ++q) stage(q);
+  }
   Fold fold;
-  for (int64_t q = 0; q * kStrip < f; ++q) {  // the same strips in every warp
+  for (int64_t q = 0; q < strips; ++q) {  // the same strips in every warp
     const int64_t j = q * kStrip + static_cast<int64_t>(lane) * kN;
     const bool in_row = inside && j < f;
+    const T* dh_at = dh + r * f + j;
+    const T* gate_at = x + j;
+    const T* up_at = x + f + j;
+    if constexpr (kStages > 0) {
+      cp_async_wait<kStages - 1>();  // strip q's group has landed
+      dh_at = slot(q, 0);
+      gate_at = slot(q, 1);
+      up_at = slot(q, kInputs - 1);
+    }
     if (in_row && mapped) {
       float g[kN];
-      load_floats<kN>(dh + r * f + j, g);
+      load_floats<kN>(dh_at, g);
       if (with_dbias) {  // this row's dbias terms of the strip
         Pack<float, kN> terms;
 #pragma unroll
@@ -425,7 +488,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
         store_pack<kN>(&strip_terms[w][lane * kN], terms);
       }
       if (live) {
-        const ActivationIn<kAct, kN> a(x, f, j);
+        const ActivationIn<kAct, kN> a(gate_at, up_at);
         float v[kN];  // the dprob terms first: fewer values live at once
         a.value(b, j, v);
 #pragma unroll
@@ -445,6 +508,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
       store_zeros<kN>(d + j);
       if constexpr (kGated) store_zeros<kN>(d + f + j);
     }
+    // Strip q's slots are read (their values went into the stores above): refill them.
+    if constexpr (kStages > 0) stage(q + kStages);
     if (!with_dbias) continue;
     // The strip's column sums over the tile's mapped rows, in row order.
     __syncthreads();
@@ -460,6 +525,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardCtasPerSm)
     }
     __syncthreads();  // the next strip rewrites strip_terms
   }
+  if constexpr (kStages > 0) cp_async_wait<0>();  // no copy outlives the CTA's shared memory
   const float dot = fold.reduce();
   if (inside && lane == 0) d_row_prob[r] = live ? dot : 0.0f;
 }
@@ -615,13 +681,31 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
     using T = decltype(type);
     const float* b = quant::data_or_null<const float>(bias);
     moe::visit_activation(act, [&](auto a) {
+      constexpr MoeActivation kAct = decltype(a)::value;
       visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
-        scaled_activation_backward_kernel<T, decltype(a)::value, decltype(pack)::value>
-            <<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, 0, stream>>>(
-                in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-                in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
-                out<float>(d_row_prob), quant::data_or_null<float>(partial));
-        OCTET_CHECK_LAUNCH();
+        constexpr int kN = decltype(pack)::value;
+        const auto launch = [&](auto kernel, int stages) {  // stages: the kernel's kStages
+          const size_t shared = backward_stage_bytes<kAct>(stages);
+          static octet::cuda::PerDeviceFlag opted_in;  // one per kernel
+          if (shared > 0 && !opted_in.test(fc1.device())) {
+            OCTET_CHECK_CUDA(cudaFuncSetAttribute(
+                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+            // Two CTAs an SM need most of it as shared memory (the kernel reuses nothing in L1).
+            OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel,
+                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                  cudaSharedmemCarveoutMaxShared));
+            opted_in.set(fc1.device());
+          }
+          kernel<<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, shared,
+                   stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                             in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
+                             out<float>(d_row_prob), quant::data_or_null<float>(partial));
+          OCTET_CHECK_LAUNCH();
+        };
+        if constexpr (kN * sizeof(T) == kVectorBytes)
+          launch(scaled_activation_backward_kernel<T, kAct, kN, kBackwardStages>, kBackwardStages);
+        else
+          launch(scaled_activation_backward_kernel<T, kAct, kN, 0>, 0);
       });
     });
   });
