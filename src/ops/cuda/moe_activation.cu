@@ -548,7 +548,8 @@ __global__ void dbias_expert_sum_kernel(const float* partial, const int32_t* off
 
 /// The per-tensor cast's launches for `casts`, or false when some expert or tensor needs the tile
 /// quantizer instead: another scaling mode, f32 activations, a row count that is not a multiple of
-/// 16, or a pointer or width that defeats the kernel's vector accesses.
+/// the 128-row tile (the kernel stores whole tiles: plans align every group to it), or a pointer or
+/// width that defeats the kernel's vector accesses.
 bool launch_per_tensor_cast(MoeActivation act, const Tensor& fc1, const Tensor& row_prob,
                             const MoePlan& plan, const Tensor& bias, const Tensor& h, int64_t f,
                             const MoeExpertCasts& casts) {
@@ -563,7 +564,7 @@ bool launch_per_tensor_cast(MoeActivation act, const Tensor& fc1, const Tensor& 
     if (rows == 0) continue;
     const fp8::QuantizedTensor& q = *casts.experts[e].out;
     if (used.empty()) fp8 = q.dtype;
-    if (q.mode != fp8::ScalingMode::per_tensor || q.dtype != fp8 || rows % quant::kRunElems != 0 ||
+    if (q.mode != fp8::ScalingMode::per_tensor || q.dtype != fp8 || rows % kCastTile != 0 ||
         !casts.experts[e].args.scale.defined() ||
         !vector_aligned({quant::data_or_null<void>(q.data), quant::data_or_null<void>(q.data_t)}))
       return false;
