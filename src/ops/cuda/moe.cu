@@ -1,8 +1,9 @@
 // CUDA MoE ops: the router (one thread per token, serial over the experts, as the CPU), its
 // statistics (one CTA per expert, fixed_order_reduce.h's order), the plan (one CTA per expert
 // scanning the routed slots in order: a stable layout with integer work only), and row-parallel
-// dispatch / combine. The scaled activation between the experts' GEMMs is in moe_activation.cu.
-// No float atomics anywhere (DESIGN.md rule 3), so every output is the same bytes on every run.
+// dispatch / combine (top-1 and top-2 rows of 16-byte packs gathered by cp.async). The scaled
+// activation between the experts' GEMMs is in moe_activation.cu. No float atomics anywhere
+// (DESIGN.md rule 3), so every output is the same bytes on every run.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/fused_cast.cuh"
 #include "ops/cuda/launch_util.cuh"
+#include "ops/cuda/mma_util.cuh"
 #include "ops/cuda/quantize_tile.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/moe_backend.h"
@@ -209,6 +211,60 @@ __global__ void combine_kernel(const T* __restrict__ rows, const float* __restri
   }
 }
 
+/// Tokens a staged combine CTA owns, and the CTAs an SM must hold (a full SM's threads: at most
+/// 32 registers a thread).
+constexpr int kStagedCombineTokens = 2;
+constexpr int kStagedCombineCtasPerSm = 8;
+
+/// combine_kernel's sums for rows of 16-byte packs and at most kSlotBatch slots a token, with the
+/// gathers staged: a thread copies its packs of its kStagedCombineTokens tokens by cp.async into
+/// its own slots of shared memory ([token][slot][thread]) before the first add, so no registers
+/// wait on the reads (at most 32 registers: eight CTAs an SM keep 128 KB of gathers in flight,
+/// against 48 KB for combine_kernel's six). A thread reads back only what it copied, after its
+/// own wait. The same adds in the same order: the same bits.
+template <typename T, int kN>
+__global__ void __launch_bounds__(kThreads, kStagedCombineCtasPerSm)
+    combine_staged_kernel(const T* __restrict__ rows, const float* __restrict__ prob,
+                          const int32_t* __restrict__ slot_row, int64_t tokens, int64_t dim,
+                          int64_t topk, T* __restrict__ y) {
+  static_assert(kN * sizeof(T) == kVectorBytes, "cp.async stages 16-byte packs");
+  constexpr int kTokens = kStagedCombineTokens;
+  __shared__ uint4 staged[kTokens * kSlotBatch * kThreads];
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTokens;
+  const int owned = static_cast<int>(tokens - t0 < kTokens ? tokens - t0 : kTokens);
+  const auto slot = [&](int i, int b) {
+    return &staged[(i * kSlotBatch + b) * kThreads + threadIdx.x];
+  };
+  for (int64_t c = static_cast<int64_t>(threadIdx.x) * kN; c < dim; c += kThreads * kN) {
+#pragma unroll
+    for (int i = 0; i < kTokens; ++i)
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b)
+        if (i < owned && b < topk)
+          cp_async_16(slot(i, b), rows + slot_row[(t0 + i) * topk + b] * dim + c);
+    cp_async_wait_all();
+#pragma unroll
+    for (int i = 0; i < kTokens; ++i) {
+      if (i >= owned) break;
+      float acc[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) acc[k] = 0.0f;
+#pragma unroll
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (b >= topk) break;
+        const Pack<T, kN> v = *reinterpret_cast<const Pack<T, kN>*>(slot(i, b));
+        const float w = prob != nullptr ? prob[(t0 + i) * topk + b] : 1.0f;
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          const float x = to_float(v.v[k]);
+          acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
+        }
+      }
+      store_pack<kN>(y + (t0 + i) * dim + c, round_pack<T>(acc));
+    }
+  }
+}
+
 /// CTA r: d_expert_out[r] = prob * dy[token] (0 for padding) and dprob[token, slot] = <dy[token],
 /// expert_out[r]> in the fixed order; packs of kN columns, one pass over the row.
 template <typename T, int kN>
@@ -277,10 +333,21 @@ void combine(const Tensor& rows, const Tensor& prob, const MoePlan& plan, const 
   visit(y.dtype(), [&](auto type) {
     using T = decltype(type);
     visit_pack<T>(y.cols(), {rows.raw_data(), y.raw_data()}, [&](auto pack) {
-      combine_kernel<T, decltype(pack)::value>
-          <<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
-              in<T>(rows), prob.defined() ? in<float>(prob) : nullptr, in<int32_t>(plan.slot_row),
-              y.cols(), plan.slot_row.size(1), out<T>(y));
+      constexpr int kN = decltype(pack)::value;
+      const float* p = prob.defined() ? in<float>(prob) : nullptr;
+      const int64_t topk = plan.slot_row.size(1);
+      if constexpr (kN * sizeof(T) == kVectorBytes) {
+        if (topk <= kSlotBatch) {
+          combine_staged_kernel<T, kN>
+              <<<static_cast<unsigned>(ceil_div(y.rows(), kStagedCombineTokens)), kThreads, 0,
+                 stream>>>(in<T>(rows), p, in<int32_t>(plan.slot_row), y.rows(), y.cols(), topk,
+                           out<T>(y));
+          OCTET_CHECK_LAUNCH();
+          return;
+        }
+      }
+      combine_kernel<T, kN><<<static_cast<unsigned>(y.rows()), kThreads, 0, stream>>>(
+          in<T>(rows), p, in<int32_t>(plan.slot_row), y.cols(), topk, out<T>(y));
       OCTET_CHECK_LAUNCH();
     });
   });
