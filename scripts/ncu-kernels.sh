@@ -25,7 +25,8 @@ default_cases=(
   "mem/quantize_both/mxfp8@quantize_tile_kernel@quantize_mxfp8"
   "mem/cast_transpose_amax@quantize_tile_kernel@cast_transpose"
   "mem/dequantize@dequantize_kernel@dequantize"
-  "moe/scaled_activation_cast@quantize_tile_group_kernel@moe_activation_cast"
+  "moe/combine@combine_kernel@moe_combine"
+  "moe/scaled_activation_cast@scaled_activation_cast_kernel@moe_activation_cast"
   "moe/scaled_activation_backward@scaled_activation_backward_kernel@moe_activation_backward"
 )
 read -r -a cases <<<"${CASES:-${default_cases[*]}}"
