@@ -417,15 +417,7 @@ void launch_cross_entropy_staged(const T* logits, const int32_t* targets, float*
   const auto kernel = cross_entropy_staged_kernel<T, kVec>;
   if (smem > kDefaultDynamicSmemBytes) {
     static octet::cuda::PerDeviceFlag opted_in;
-    if (!opted_in.test(device)) {
-      OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(budget)));
-      // A hint: all of L1 as shared memory (the kernel reuses nothing through L1), so that the
-      // carveout never limits the CTAs per SM.
-      OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                            cudaSharedmemCarveoutMaxShared));
-      opted_in.set(device);
-    }
+    opt_in_shared_memory(kernel, budget, device, opted_in);
   }
   kernel<<<static_cast<unsigned>(rows), kCrossEntropyLanes, smem, stream>>>(
       logits, targets, losses, dlogits, rows, vocab, grad_scale, bad_row_flag);

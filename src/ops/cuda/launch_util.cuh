@@ -1,13 +1,17 @@
 // Launch arithmetic shared by the CUDA backends: the warp and grid limits every family uses,
 // ceil_div and round_up (from core/int_math.h), grids of the GEMM families' small elementwise
 // kernels (one thread per element, 1-D grids of kThreadsPerBlock threads), and the limit on what
-// a launch may pass in its parameters. CUDA sources only (.cu and .cuh).
+// a launch may pass in its parameters, and the once-per-device opt-in to more than 48 KiB of
+// dynamic shared memory. CUDA sources only (.cu and .cuh).
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
 
 #include "core/int_math.h"
+#include "octet/core/cuda_context.h"
 #include "octet/core/error.h"
 #include "ops/sorted_search.h"
 
@@ -26,6 +30,21 @@ inline constexpr int kThreadsPerBlock = 256;
 /// multi-tensor kernels pass their lists by value up to this size, so a launch needs no
 /// descriptor table uploaded first.
 inline constexpr size_t kMaxKernelParamBytes = 32764;
+
+/// Lets `kernel` take up to `bytes` of dynamic shared memory on `device`, preferring all of L1 as
+/// shared memory (a kernel that stages its reads reuses nothing through L1, and the carveout must
+/// not limit its CTAs an SM). Done once per device, recorded in `opted_in`, the launch site's
+/// static flag: cudaFuncSetAttribute applies to the current device, which the ops' entries set.
+template <typename Kernel>
+void opt_in_shared_memory(Kernel kernel, size_t bytes, const Device& device,
+                          octet::cuda::PerDeviceFlag& opted_in) {
+  if (opted_in.test(device)) return;
+  OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(bytes)));
+  OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+  opted_in.set(device);
+}
 
 /// Blocks for one thread per element over n elements; throws past the 1-D grid limit.
 inline unsigned int grid_for(int64_t n) {

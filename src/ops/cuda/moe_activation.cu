@@ -685,28 +685,18 @@ void moe_scaled_activation_backward(MoeActivation act, const Tensor& dh, const T
       constexpr MoeActivation kAct = decltype(a)::value;
       visit_pack<T>(f, {dh.raw_data(), fc1.raw_data(), dfc1.raw_data(), b}, [&](auto pack) {
         constexpr int kN = decltype(pack)::value;
-        const auto launch = [&](auto kernel, int stages) {  // stages: the kernel's kStages
-          const size_t shared = backward_stage_bytes<kAct>(stages);
+        constexpr int kStages = kN * sizeof(T) == kVectorBytes ? kBackwardStages : 0;
+        const auto kernel = scaled_activation_backward_kernel<T, kAct, kN, kStages>;
+        constexpr size_t kShared = backward_stage_bytes<kAct>(kStages);
+        if constexpr (kShared > 0) {
           static octet::cuda::PerDeviceFlag opted_in;  // one per kernel
-          if (shared > 0 && !opted_in.test(fc1.device())) {
-            OCTET_CHECK_CUDA(cudaFuncSetAttribute(
-                kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
-            // Two CTAs an SM need most of it as shared memory (the kernel reuses nothing in L1).
-            OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel,
-                                                  cudaFuncAttributePreferredSharedMemoryCarveout,
-                                                  cudaSharedmemCarveoutMaxShared));
-            opted_in.set(fc1.device());
-          }
-          kernel<<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, shared,
-                   stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
-                             in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
-                             out<float>(d_row_prob), quant::data_or_null<float>(partial));
-          OCTET_CHECK_LAUNCH();
-        };
-        if constexpr (kN * sizeof(T) == kVectorBytes)
-          launch(scaled_activation_backward_kernel<T, kAct, kN, kBackwardStages>, kBackwardStages);
-        else
-          launch(scaled_activation_backward_kernel<T, kAct, kN, 0>, 0);
+          opt_in_shared_memory(kernel, kShared, fc1.device(), opted_in);
+        }
+        kernel<<<static_cast<unsigned>(ceil_div(rows, kBackwardRows)), kBackwardThreads, kShared,
+                 stream>>>(in<T>(dh), in<T>(fc1), in<float>(row_prob), in<int32_t>(plan.row_map),
+                           in<int32_t>(plan.offsets), plan.experts(), b, rows, f, out<T>(dfc1),
+                           out<float>(d_row_prob), quant::data_or_null<float>(partial));
+        OCTET_CHECK_LAUNCH();
       });
     });
   });
