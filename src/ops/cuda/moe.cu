@@ -178,6 +178,19 @@ __global__ void dispatch_kernel(const Unit* x, const int32_t* row_map, int64_t u
 /// registers (top-4 takes 64 a thread for bf16) and so CTAs per SM.
 constexpr int kSlotBatch = 2;
 
+/// acc += w * v (v alone without prob: dispatch's backward) for one slot's pack v: the one add of
+/// every combine form, so that each sums a token's slots the same way.
+template <typename T, int kN>
+__device__ __forceinline__ void add_slot(float (&acc)[kN], const Pack<T, kN>& v, const float* prob,
+                                         int64_t slot) {
+  const float w = prob != nullptr ? prob[slot] : 1.0f;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) {
+    const float x = to_float(v.v[k]);
+    acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
+  }
+}
+
 /// y[t] = the sum over token t's slots, in slot order, of prob * rows[slot's row] (the row alone
 /// without prob: dispatch's backward). A thread owns packs of kN columns and issues the loads of
 /// up to kSlotBatch slots before their adds, so each thread has top-k packs in flight.
@@ -197,15 +210,8 @@ __global__ void combine_kernel(const T* __restrict__ rows, const float* __restri
       for (int b = 0; b < kSlotBatch; ++b)
         if (s0 + b < topk) v[b] = load_pack<kN>(rows + slots[s0 + b] * dim + c);
 #pragma unroll
-      for (int b = 0; b < kSlotBatch; ++b) {
-        if (s0 + b >= topk) continue;
-        const float w = prob != nullptr ? prob[t * topk + s0 + b] : 1.0f;
-#pragma unroll
-        for (int k = 0; k < kN; ++k) {
-          const float x = to_float(v[b].v[k]);
-          acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
-        }
-      }
+      for (int b = 0; b < kSlotBatch; ++b)
+        if (s0 + b < topk) add_slot(acc, v[b], prob, t * topk + s0 + b);
     }
     store_pack<kN>(y + t * dim + c, round_pack<T>(acc));
   }
@@ -253,12 +259,7 @@ __global__ void __launch_bounds__(kThreads, kStagedCombineCtasPerSm)
       for (int b = 0; b < kSlotBatch; ++b) {
         if (b >= topk) break;
         const Pack<T, kN> v = *reinterpret_cast<const Pack<T, kN>*>(slot(i, b));
-        const float w = prob != nullptr ? prob[(t0 + i) * topk + b] : 1.0f;
-#pragma unroll
-        for (int k = 0; k < kN; ++k) {
-          const float x = to_float(v.v[k]);
-          acc[k] = rn::add(acc[k], prob != nullptr ? rn::mul(w, x) : x);
-        }
+        add_slot(acc, v, prob, (t0 + i) * topk + b);
       }
       store_pack<kN>(y + (t0 + i) * dim + c, round_pack<T>(acc));
     }
