@@ -126,9 +126,10 @@ __global__ void scaled_activation_forward_kernel(const T* __restrict__ fc1,
 /// Side of the h tile of one CTA, and its threads.
 constexpr int kCastTile = 128;
 constexpr int kCastThreads = 256;
-/// CTAs an SM must hold at once: 128 registers a thread, room for a block's eight packs in
-/// flight and the gated activations' arithmetic without spilling.
-constexpr int kCastCtasPerSm = 2;
+/// CTAs an SM must hold at once: three keep more of the SM's loads in flight than two, and their
+/// 80 registers a thread still hold a block's eight packs and the gated activations' arithmetic
+/// without spilling.
+constexpr int kCastCtasPerSm = 3;
 /// A thread's block: 4 rows of one 8-column bf16 pack.
 constexpr int kBlockRows = 4, kBlockCols = 8;
 constexpr int kPacksPerTileRow = kCastTile / kBlockCols;
