@@ -268,6 +268,10 @@ const SplitCase kSplits[] = {
     // bf16 rows of whole packs over two whole 128-column tiles and a partial one, groups of one
     // and two 128-row tiles, and 40 experts: more than one launch of the per-tensor FP8 cast (32).
     {Split::two_of_sixteen_take_half, 256, 2, 40, 264, "half_on_two_of_40"},
+    // The staged combine (rows of 16-byte packs, top-1 or top-2, two tokens a CTA) with an odd
+    // token count, so its last CTA owns one token, top-1, and rows of several passes of its
+    // threads (2056 columns: two in bf16, three in f32).
+    {Split::all_on_one, 101, 1, 16, 2056, "odd_tokens_top1_wide"},
 };
 
 MoePlan make_plan(const Tensor& expert, int64_t experts, const Device& device) {
