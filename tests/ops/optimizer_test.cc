@@ -329,15 +329,15 @@ struct CastEntry {
 TEST(AdamWCast, EqualsTheStepThenQuantizeBitwise) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
-  // Awkward and aligned shapes, both FP8 dtypes, every combination of copies, and an entry
-  // without a cast (a bias) in the same launch. Every entry but the third also gets a bf16 copy
-  // (AdamWTensor::bf16_copy), which must equal ops::cast after the step.
-  const std::vector<CastEntry> entries = {{{1481, 677}, DType::e4m3, {true, true}, true},
-                                          {{128, 256}, DType::e5m2, {true, true}, true},
-                                          {{96, 80}, DType::e4m3, {true, false}, false},
-                                          {{200}, DType::e4m3, {}, false, false},
-                                          {{64, 48}, DType::e4m3, {false, true}, true},
-                                          {{1600, 64}, DType::e5m2, {true, true}, true}};
+  // Awkward and aligned shapes (the last: whole 16-byte rows, rows short of a 16-row run), both
+  // FP8 dtypes, every combination of copies, and an entry without a cast (a bias) in the same
+  // step. Every entry but the third also gets a bf16 copy (AdamWTensor::bf16_copy), which must
+  // equal ops::cast after the step.
+  const std::vector<CastEntry> entries = {
+      {{1481, 677}, DType::e4m3, {true, true}, true}, {{128, 256}, DType::e5m2, {true, true}, true},
+      {{96, 80}, DType::e4m3, {true, false}, false},  {{200}, DType::e4m3, {}, false, false},
+      {{64, 48}, DType::e4m3, {false, true}, true},   {{1600, 64}, DType::e5m2, {true, true}, true},
+      {{100, 256}, DType::e4m3, {true, true}, true}};
   ops::AdamWArgs args;
   args.lr = 1e-2f;
   args.step = 3;

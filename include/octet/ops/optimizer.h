@@ -38,8 +38,8 @@ struct AdamWTensor {
   /// ops::quantize(param, *cast->out, cast->args) would write after it: a 2-D param, per-tensor
   /// scaling, the copies cast->out allocated, scale_inv, and cast->args.amax raised (no column
   /// sums). The next forward's weight cast (nn::Linear::prepare_next_cast) then needs no pass
-  /// over the FP32 master: on CUDA the row-wise copy is stored with the update and the
-  /// transposed copy is made from those bytes.
+  /// over the FP32 master: on CUDA the step runs inside the cast's tile pass, which writes both
+  /// copies from the updated values.
   const FusedQuantize* cast = nullptr;
   /// Optional: bf16 of param's shape on its device, set to the updated param rounded to bf16,
   /// bitwise what ops::cast(param, bf16_copy) would write after the step. A layer's bf16 weight
@@ -49,9 +49,10 @@ struct AdamWTensor {
 };
 
 /// The one-tensor adamw_step for every entry of `tensors` (count >= 1; each entry's tensors on
-/// one device), in one kernel launch on CUDA per run of consecutive entries on one device (a
-/// model split over devices: one per stage), with norm_sq copied to that device when it lies
-/// elsewhere. Entry i gets, bit for bit, what adamw_step would give it with
+/// one device), on CUDA in one kernel launch per run of consecutive entries on one device (a
+/// model split over devices: one per stage) for the entries without a cast, and in the tile
+/// quantizer's launches (up to 16 casts each) for those with one, with norm_sq copied to that
+/// device when it lies elsewhere. Entry i gets, bit for bit, what adamw_step would give it with
 /// args.weight_decay = tensors[i].weight_decay; args.weight_decay itself is not read.
 void adamw_step(const AdamWTensor* tensors, int count, const Tensor& norm_sq,
                 const AdamWArgs& args);
