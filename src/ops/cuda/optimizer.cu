@@ -5,7 +5,6 @@
 // quantizer (quantize_tile.cuh), which writes both copies from the updated values in the same pass.
 // Both equal the CPU reference bit for bit, and neither synchronises with the host (the clip
 // factor is read from norm_sq on the device) nor allocates for the step.
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,13 +12,11 @@
 #include <vector>
 
 #include "octet/core/cuda_context.h"
-#include "octet/fp8/scaling_math.h"
 #include "ops/cuda/fp8_kernels.cuh"
 #include "ops/cuda/launch_util.cuh"
 #include "ops/cuda/quantize_tile.cuh"
 #include "ops/fixed_order_reduce.h"
 #include "ops/optimizer_backend.h"
-#include "ops/quantize_backend.h"
 
 namespace octet::ops::cuda {
 namespace {
