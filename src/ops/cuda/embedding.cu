@@ -52,8 +52,6 @@ constexpr size_t kCrossEntropyTreeBytes = sizeof(float) * kCrossEntropyLanes;
 /// shared memory: 8 x 512 threads = 64 KiB of a row in flight per CTA, enough to cover DRAM
 /// latency even at one CTA per SM (an f32 row of 50304 logits).
 constexpr int kStageLoadsInFlight = 8;
-/// Dynamic shared memory a kernel may use without opting in (all architectures since sm_70).
-constexpr size_t kDefaultDynamicSmemBytes = 48 * 1024;
 /// CTAs per SM the staged cross-entropy kernel's registers must allow: a bf16 row of GPT-2's 50304
 /// logits (98 KiB) leaves room for two in an H200 SM's 228 KiB of shared memory.
 constexpr int kStagedCtasPerSm = 2;

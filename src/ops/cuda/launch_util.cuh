@@ -31,6 +31,9 @@ inline constexpr int kThreadsPerBlock = 256;
 /// descriptor table uploaded first.
 inline constexpr size_t kMaxKernelParamBytes = 32764;
 
+/// Dynamic shared memory a kernel may use without opting in (all architectures since sm_70).
+inline constexpr size_t kDefaultDynamicSmemBytes = 48 * 1024;
+
 /// Lets `kernel` take up to `bytes` of dynamic shared memory on `device`, preferring all of L1 as
 /// shared memory (a kernel that stages its reads reuses nothing through L1, and the carveout must
 /// not limit its CTAs an SM). Done once per device, recorded in `opted_in`, the launch site's

@@ -51,8 +51,6 @@ constexpr int kMaxRowsPerCta = kCtaThreads / kWarpSize;
 /// its bytes allow; docs/PERFORMANCE.md, "Designs that measured slower"); 512 tiles double the
 /// rows in flight.
 constexpr int64_t kTargetTiles = 512;
-/// Dynamic shared memory a kernel may use without opting in.
-constexpr size_t kDefaultDynamicSmem = 48 * 1024;
 /// Room left for the kernels' static shared memory (reduction scratch, about 2.2 KiB) when
 /// opting into more dynamic shared memory.
 constexpr size_t kStaticSmemReserve = 4 * 1024;
@@ -461,7 +459,7 @@ size_t smem_budget(const Device& device) {
 /// Lets `kernel` use `bytes` of dynamic shared memory (an opt-in above 48 KiB).
 template <typename Kernel>
 void allow_smem(Kernel kernel, size_t bytes) {
-  if (bytes <= kDefaultDynamicSmem) return;
+  if (bytes <= kDefaultDynamicSmemBytes) return;
   OCTET_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(bytes)));
 }

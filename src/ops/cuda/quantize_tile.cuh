@@ -469,23 +469,15 @@ T* data_or_null(const Tensor& t) {
   return t.defined() ? static_cast<T*>(t.raw_data()) : nullptr;
 }
 
-/// Dynamic shared memory a kernel may use without opting in (all architectures since sm_70).
-inline constexpr int kDefaultDynamicSmemBytes = 48 * 1024;
-
 /// Launches `kernel` (a tile kernel for T) with one CTA per tile and the tile in dynamic shared
 /// memory; f32 tiles (64 KiB) need the opt-in, once per device, recorded in the kernel's own
 /// `opted_in`.
 template <typename T, typename Kernel, typename... Args>
 void launch_tile_kernel(Kernel kernel, octet::cuda::PerDeviceFlag& opted_in, int64_t tiles,
                         const Device& device, cudaStream_t stream, const Args&... args) {
-  constexpr int kSmemBytes = TileLayout<T>::kBytes;
-  if constexpr (kSmemBytes > kDefaultDynamicSmemBytes) {
-    if (!opted_in.test(device)) {
-      OCTET_CHECK_CUDA(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-      opted_in.set(device);
-    }
-  }
+  constexpr size_t kSmemBytes = TileLayout<T>::kBytes;
+  if constexpr (kSmemBytes > kDefaultDynamicSmemBytes)
+    opt_in_shared_memory(kernel, kSmemBytes, device, opted_in);
   kernel<<<static_cast<unsigned>(tiles), kTileThreads, kSmemBytes, stream>>>(args...);
   OCTET_CHECK_LAUNCH();
 }
