@@ -73,8 +73,7 @@ if "test" in stages:
                      f"{ok} passed, {bad} failed, {skip} skipped before it ended")
 
 if "sanitize" in stages:
-    lines.append("sanitizer (%s tests, OCTET_TEST_SMALL=1, OCTET_SMALL_BLOCK_CACHE=0):"
-                 % value.get("sanitizer_tests", "0"))
+    lines.append("sanitizer (%s tests, OCTET_TEST_SMALL=1):" % value.get("sanitizer_tests", "0"))
     for tool in ("memcheck", "racecheck", "synccheck", "initcheck"):
         lines.append(f"  {tool:<10} " + value.get("sanitizer_" + tool, "not run"))
 

@@ -91,7 +91,7 @@
 #   CONVERGENCE_DIR      its runs, kept between calls (default runs/convergence-gpu); SEEDS, CORPORA
 #                        and PRECISIONS pass through to scripts/convergence.sh
 #
-# The sanitizer runs set OCTET_SMALL_BLOCK_CACHE=0 and OCTET_TEST_SMALL=1. Convention for test authors: when it is set, a
+# The sanitizer runs set OCTET_TEST_SMALL=1. Convention for test authors: when it is set, a
 # parity test skips (GTEST_SKIP) its large shapes (more than 2^22 elements, e.g. 16384x8192),
 # which would take far too long under the sanitizer's instrumentation. The sanitizer runs select
 # the CUDA cases of the ops suites automatically (see select_sanitizer_tests below).
@@ -309,7 +309,7 @@ stage_sanitize() {
   record sanitizer_tests "$count"
   {
     echo "compute-sanitizer: $sanitizer ($("$sanitizer" --version | tail -1))"
-    echo "OCTET_TEST_SMALL=1 OCTET_SMALL_BLOCK_CACHE=0, $count tests, --gtest_filter=$filter"
+    echo "OCTET_TEST_SMALL=1, $count tests, --gtest_filter=$filter"
     echo "initcheck leaves out: ${INITCHECK_EXCLUDE:-nothing}"
     echo "only memcheck runs: ${MEMCHECK_ONLY:-nothing}"
   } >>"$OUT/sanitizer.log"
@@ -323,9 +323,7 @@ stage_sanitize() {
     [[ $tool == racecheck ]] && limit="$RACECHECK_TIMEOUT"
     # Not --gtest_brief: each test's RUN line stays in the log, so a run cut off by its limit
     # names the test it was in.
-    # OCTET_SMALL_BLOCK_CACHE=0: every block comes from the pool at its requested size, so
-    # memcheck checks a small tensor's own bounds, not those of its size class's block.
-    OCTET_TEST_SMALL=1 OCTET_SMALL_BLOCK_CACHE=0 timeout "$limit" "$sanitizer" --tool "$tool" \
+    OCTET_TEST_SMALL=1 timeout "$limit" "$sanitizer" --tool "$tool" \
       --error-exitcode "$SANITIZER_ERROR_EXITCODE" "$TESTS_BIN" --gtest_filter="$tool_filter" \
       >"$log" 2>&1
     rc=$?

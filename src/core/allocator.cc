@@ -3,12 +3,9 @@
 #include <malloc.h>  // malloc_usable_size (glibc): a host block's size at free
 
 #include <atomic>
-#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <vector>
 
 #include "octet/core/error.h"
 
@@ -31,99 +28,6 @@ void add_host_bytes(size_t bytes) {
   while (live > peak && !g_host_peak.compare_exchange_weak(peak, live)) {
   }
 }
-
-#if OCTET_WITH_CUDA
-/// Small CUDA blocks, freed, wait here for the next allocation of their size class on the same
-/// device. cudaMallocAsync and cudaFreeAsync cost microseconds of host time a call, and an FP8
-/// step makes a scale, an amax and their kin for every tensor it casts: hundreds of blocks of a
-/// few bytes a step in an MoE model, whose expert GEMMs already keep the host busy. A reused
-/// block is as safe as one the pool hands back: blocks are allocated and freed only on octet's
-/// one stream per device, so work queued after the reuse runs after work queued before the free.
-/// OCTET_SMALL_BLOCK_CACHE=0 turns the cache off (compute-sanitizer then sees every block at its
-/// requested size, fresh from the pool).
-class SmallBlockCache {
- public:
-  static constexpr size_t kSmallestBlock = 256;
-  static constexpr size_t kLargestBlock = size_t{64} << 10;
-  /// Free blocks kept per device at most; more go back to the pool.
-  static constexpr size_t kMaxCachedBytes = size_t{16} << 20;
-
-  SmallBlockCache() {
-    const char* env = std::getenv("OCTET_SMALL_BLOCK_CACHE");
-    enabled_ = env == nullptr || std::strcmp(env, "0") != 0;
-  }
-
-  /// The bytes to ask the pool for: small requests are rounded up to their class's block size.
-  size_t block_bytes(size_t bytes) const {
-    return enabled_ && bytes <= kLargestBlock ? kSmallestBlock << size_class(bytes) : bytes;
-  }
-
-  /// A cached block of `bytes`' class on `device`, or nullptr.
-  void* take(size_t bytes, int device) {
-    if (!enabled_ || bytes > kLargestBlock) return nullptr;
-    const std::lock_guard lock(mutex_);
-    if (static_cast<size_t>(device) >= devices_.size()) return nullptr;
-    PerDevice& cache = devices_[device];
-    std::vector<void*>& blocks = cache.free[size_class(bytes)];
-    if (blocks.empty()) return nullptr;
-    void* ptr = blocks.back();
-    blocks.pop_back();
-    cache.bytes -= kSmallestBlock << size_class(bytes);
-    return ptr;
-  }
-
-  /// Keeps a freed block of `bytes` (as requested); false when it is not small or the device's
-  /// cache is full, and the block should go back to the pool.
-  bool put(void* ptr, size_t bytes, int device) noexcept {
-    if (!enabled_ || bytes > kLargestBlock) return false;
-    const size_t block = kSmallestBlock << size_class(bytes);
-    try {
-      const std::lock_guard lock(mutex_);
-      if (static_cast<size_t>(device) >= devices_.size()) devices_.resize(device + 1);
-      PerDevice& cache = devices_[device];
-      if (cache.bytes + block > kMaxCachedBytes) return false;
-      cache.free[size_class(bytes)].push_back(ptr);
-      cache.bytes += block;
-      return true;
-    } catch (...) {  // no memory for the list: the pool takes the block
-      return false;
-    }
-  }
-
-  /// Every cached block of `device`, emptied out of the cache (to free when memory runs short).
-  std::vector<void*> drain(int device) {
-    std::vector<void*> out;
-    const std::lock_guard lock(mutex_);
-    if (static_cast<size_t>(device) >= devices_.size()) return out;
-    for (std::vector<void*>& blocks : devices_[device].free) {
-      out.insert(out.end(), blocks.begin(), blocks.end());
-      blocks.clear();
-    }
-    devices_[device].bytes = 0;
-    return out;
-  }
-
- private:
-  static constexpr int kClasses = std::countr_zero(kLargestBlock / kSmallestBlock) + 1;
-  /// 0 for up to 256 bytes, 1 for up to 512, ..., kClasses - 1 for up to kLargestBlock.
-  static int size_class(size_t bytes) {
-    return bytes <= kSmallestBlock ? 0 : std::bit_width((bytes - 1) / kSmallestBlock);
-  }
-  struct PerDevice {
-    std::vector<void*> free[kClasses];
-    size_t bytes = 0;
-  };
-  bool enabled_ = true;
-  std::mutex mutex_;
-  std::vector<PerDevice> devices_;
-};
-
-/// Never destroyed: tensors in static storage may be freed after any static destructor ran.
-SmallBlockCache& small_blocks() {
-  static auto* cache = new SmallBlockCache;
-  return *cache;
-}
-#endif
 }  // namespace
 
 void* device_alloc(size_t bytes, const Device& device) {
@@ -136,18 +40,9 @@ void* device_alloc(size_t bytes, const Device& device) {
   }
 #if OCTET_WITH_CUDA
   check_device_available(device);
-  SmallBlockCache& cache = small_blocks();
-  if (void* cached = cache.take(bytes, device.index)) return cached;
   DeviceGuard guard(device);
   void* ptr = nullptr;
-  const size_t block = cache.block_bytes(bytes);
-  cudaError_t status = cudaMallocAsync(&ptr, block, cuda::stream(device));
-  if (status != cudaSuccess) {  // the cached small blocks back to the pool, then once more
-    cudaGetLastError();
-    std::vector<void*> cached = cache.drain(device.index);
-    for (void* p : cached) cudaFreeAsync(p, cuda::stream(device));
-    if (!cached.empty()) status = cudaMallocAsync(&ptr, block, cuda::stream(device));
-  }
+  cudaError_t status = cudaMallocAsync(&ptr, bytes, cuda::stream(device));
   if (status != cudaSuccess) {
     cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
@@ -164,7 +59,7 @@ void* device_alloc(size_t bytes, const Device& device) {
 #endif
 }
 
-void device_free(void* ptr, size_t bytes, const Device& device) noexcept {
+void device_free(void* ptr, const Device& device) noexcept {
   if (ptr == nullptr) return;
   if (device.is_cpu()) {
     g_host_live.fetch_sub(malloc_usable_size(ptr));
@@ -172,7 +67,6 @@ void device_free(void* ptr, size_t bytes, const Device& device) noexcept {
     return;
   }
 #if OCTET_WITH_CUDA
-  if (small_blocks().put(ptr, bytes, device.index)) return;
   int previous = 0;
   cudaGetDevice(&previous);
   cudaSetDevice(device.index);

@@ -31,7 +31,7 @@ Storage::~Storage() {
   if (release_) {
     release_();
   } else {
-    device_free(data_, bytes_, device_);
+    device_free(data_, device_);
   }
 }
 

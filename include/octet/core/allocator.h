@@ -12,12 +12,11 @@ namespace octet {
 inline constexpr size_t kHostAlignment = 64;
 
 /// Allocates `bytes` on `device`. CUDA memory comes from the device's default memory pool
-/// (cudaMallocAsync on octet's stream for that device), which reuses freed blocks on the device;
-/// blocks of up to 64 KiB are also kept on the host when freed (16 MiB a device at most) and
-/// handed out again without a CUDA call. Throws octet::Error on failure, naming the size.
+/// (cudaMallocAsync on octet's stream for that device), so freed blocks are reused without a
+/// caching allocator of our own. Throws octet::Error on failure, naming the size.
 void* device_alloc(size_t bytes, const Device& device);
-/// Frees memory from device_alloc; `bytes` is the size it was allocated with. Never throws.
-void device_free(void* ptr, size_t bytes, const Device& device) noexcept;
+/// Frees memory from device_alloc. Never throws.
+void device_free(void* ptr, const Device& device) noexcept;
 
 /// Most bytes held at once since the last reset: in `device`'s CUDA memory pool, or for the CPU
 /// in host tensor memory (all host devices together, as malloc counts the blocks).

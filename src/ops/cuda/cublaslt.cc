@@ -33,13 +33,10 @@ struct CublasLtStates {
   std::vector<std::array<SideLane, kGemmLanes>> lanes;  ///< [device][lane], lane 0 unused
 };
 
-/// A workspace's allocation: room to round its start up to the alignment.
-constexpr size_t kWorkspaceAllocationBytes = kCublasWorkspaceBytes + kCublasWorkspaceAlignment;
-
 /// kCublasWorkspaceBytes on `device` from the pool, its start rounded up to the alignment
 /// cuBLASLt expects; `raw` is the allocation itself.
 void* aligned_workspace(const Device& device, void*& raw) {
-  raw = device_alloc(kWorkspaceAllocationBytes, device);
+  raw = device_alloc(kCublasWorkspaceBytes + kCublasWorkspaceAlignment, device);
   const auto address = reinterpret_cast<uintptr_t>(raw);
   return reinterpret_cast<void*>((address + kCublasWorkspaceAlignment - 1) /
                                  kCublasWorkspaceAlignment * kCublasWorkspaceAlignment);
@@ -68,7 +65,7 @@ const CublasLt& cublaslt(const Device& device) {
     state->workspace = aligned_workspace(device, raw);
     state->workspace_bytes = kCublasWorkspaceBytes;
     const cublasStatus_t status = cublasLtCreate(&state->handle);
-    if (status != CUBLAS_STATUS_SUCCESS) device_free(raw, kWorkspaceAllocationBytes, device);
+    if (status != CUBLAS_STATUS_SUCCESS) device_free(raw, device);
     OCTET_CHECK_CUBLAS(status);
     slot = state.release();
   }
@@ -83,7 +80,7 @@ size_t cublaslt_device_bytes(const Device& device) {
   size_t workspaces = index < states.devices.size() && states.devices[index] != nullptr ? 1 : 0;
   if (index < states.lanes.size())
     for (const SideLane& lane : states.lanes[index]) workspaces += lane.workspace != nullptr;
-  return workspaces * kWorkspaceAllocationBytes;
+  return workspaces * (kCublasWorkspaceBytes + kCublasWorkspaceAlignment);
 }
 
 // Side lanes live as long as the process, like the main state.
@@ -103,7 +100,7 @@ GemmLane gemm_lane(const Device& device, int lane) {
     octet::cuda::synchronize(device);
     cudaStream_t stream = nullptr;
     const cudaError_t status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
-    if (status != cudaSuccess) device_free(raw, kWorkspaceAllocationBytes, device);
+    if (status != cudaSuccess) device_free(raw, device);
     OCTET_CHECK_CUDA(status);
     side = {stream, workspace};
   }
