@@ -386,6 +386,48 @@ TEST_P(LinearFp8Test, WeightCastWrittenByTheOptimizerEqualsCastingAgain) {
   }
 }
 
+// Each step the optimizer writes the next cast into the last one's memory when nothing else
+// holds it, and into new memory while a record of a forward without its backward does; either
+// way the layer computes bitwise as one that casts its master again at each forward.
+TEST_P(LinearFp8Test, NextCastTakesTheLastCastsMemoryUnlessARecordHoldsIt) {
+  const auto& [device, recipe] = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  if (!Linear::optimizer_writes_cast(WeightCast::Key::fp8_weight(recipe)))
+    GTEST_SKIP() << "this recipe casts at each forward: the optimizer writes no cast";
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t in = 64, out = 48, tokens = 32;
+  Linear adopted(in, out, true, device, seed), recast(in, out, true, device, seed);
+  AmaxRegistry registry_a, registry_r;
+  const void* last = nullptr;
+  for (int step = 0; step < 4; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const auto [x, dy] = two_microbatches(in, out, tokens, device, seed + 10 * step);
+    Tensor y_a, y_r;
+    const Tensor dx_a = run_microbatch(adopted, recipe, registry_a, x[0], dy[0], &y_a);
+    const Tensor dx_r = run_microbatch(recast, recipe, registry_r, x[0], dy[0], &y_r);
+    EXPECT_TRUE(testing::bitwise_equal(y_a, y_r)) << "y";
+    EXPECT_TRUE(testing::bitwise_equal(dx_a, dx_r)) << "dx";
+    if (step == 3) break;
+    // At step 2 both layers keep the record of a forward whose backward never runs.
+    Linear::Saved held_a, held_r;
+    if (step == 2) {
+      Fp8Autocast scope_a(recipe, registry_a);
+      adopted.forward(x[1], held_a);
+      Fp8Autocast scope_r(recipe, registry_r);
+      recast.forward(x[1], held_r);
+    }
+    const Linear::NextCast cast = adopted.prepare_next_cast();
+    ASSERT_NE(cast.weight_fp8, nullptr);
+    const void* memory = cast.weight_fp8->out->data.raw_data();
+    if (step == 1) EXPECT_EQ(memory, last) << "nothing held the last cast: its memory is reused";
+    if (step == 2) EXPECT_NE(memory, last) << "a record holds the last cast: new memory";
+    last = memory;
+    step_adamw(adopted, cast);
+    step_adamw(recast, Linear::NextCast{});
+  }
+}
+
 // ZeRO-1's rank that does not own a weight: it frees the master and computes from the casts the
 // owner's optimizer wrote, received as bytes; a skipped step (a dropped update) keeps them.
 TEST_P(LinearFp8Test, WithoutItsMasterALayerComputesFromTheCastsWrittenForIt) {
