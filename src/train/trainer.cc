@@ -188,7 +188,8 @@ StepResult train_step(TrainState& s, TokenSource& data, const TrainOptions& o, S
   }
   ops::adamw_step(s.adamw.data(), static_cast<int>(s.adamw.size()), checks.norm_sq(), args);
   s.model->on_weights_updated(nn::PreparedCast::written);
-  // The table keeps no cast: the next step's next_casts() frees them before it allocates.
+  // The table keeps no cast: a handle here would keep the next step's next_casts() from writing
+  // into this step's memory (Linear::prepare_next_cast).
   for (ops::AdamWTensor& t : s.adamw) {
     t.cast = nullptr;
     t.bf16_copy = Tensor();
