@@ -97,19 +97,17 @@ Tensor in_dtype(const Tensor& x, DType dtype) {
 /// writes its input's dtype, a dense one its compute dtype; an f32 layer never does.
 bool may_output_bf16(const WeightCast::Key& key) { return key.fp8 || key.dtype == DType::bf16; }
 
-/// Whether `t` is the only handle on its memory (no view or copy of it lives elsewhere).
-bool sole_handle(const Tensor& t) { return t.defined() && t.storage().use_count() == 1; }
+/// Whether `t`'s memory has exactly `handles` handles (no view or copy of it lives elsewhere).
+bool only_handles(const Tensor& t, long handles = 1) {
+  return t.defined() && t.storage().use_count() == handles;
+}
 
-/// Whether q's own tensors are the only handles on their memory (the per-tensor transposed copy
-/// shares the row-wise copy's scale, which counts once).
-bool sole_handles(const fp8::QuantizedTensor& q) {
-  const bool shared_scale = q.scale_inv_t.defined() && q.scale_inv.defined() &&
-                            q.scale_inv_t.storage() == q.scale_inv.storage();
-  const auto scale_handles = [&](const Tensor& t) {
-    return t.defined() && t.storage().use_count() == (shared_scale ? 2 : 1);
-  };
-  return sole_handle(q.data) && sole_handle(q.data_t) && scale_handles(q.scale_inv) &&
-         scale_handles(q.scale_inv_t);
+/// Whether q's own tensors are the only handles on their memory. The per-tensor transposed copy
+/// shares the row-wise copy's scale: two handles on one memory.
+bool only_handles(const fp8::QuantizedTensor& q) {
+  const long scale_handles = q.scale_inv_t.storage() == q.scale_inv.storage() ? 2 : 1;
+  return only_handles(q.data) && only_handles(q.data_t) &&
+         only_handles(q.scale_inv, scale_handles) && only_handles(q.scale_inv_t, scale_handles);
 }
 
 }  // namespace
@@ -259,14 +257,15 @@ const Linear::NextCast& Linear::prepare_next_cast() {
   // allocation and a free per tensor a step, each microseconds of host time on a GPU.
   std::shared_ptr<const WeightCast> current = std::move(weight_cast_);
   if (!current) return next_targets_;
-  const bool reuse = current.use_count() == 1;
+  const bool sole_cast = current.use_count() == 1;
   const WeightCast::Key key = current->key;
   auto cast = std::make_shared<WeightCast>();
   cast->key = key;
-  const auto reused = [&](const Tensor& t) { return reuse && sole_handle(t) ? t : Tensor(); };
   const fp8::QuantizedTensor old_q =
-      reuse && sole_handles(current->q) ? current->q : fp8::QuantizedTensor{};
-  const Tensor old_dense = reused(current->dense), old_bias = reused(current->bias_bf16);
+      sole_cast && only_handles(current->q) ? current->q : fp8::QuantizedTensor{};
+  const Tensor old_dense = sole_cast && only_handles(current->dense) ? current->dense : Tensor();
+  const Tensor old_bias =
+      sole_cast && only_handles(current->bias_bf16) ? current->bias_bf16 : Tensor();
   current.reset();
   if (key.fp8) {
     if (state_ == nullptr || !optimizer_writes_cast(key)) return next_targets_;
