@@ -4,6 +4,7 @@
 #include <string>
 
 #include "octet/core/hash.h"
+#include "octet/nn/autocast.h"
 #include "octet/ops/grouped_gemm.h"
 
 namespace octet::nn {
@@ -33,6 +34,25 @@ class DeferredGemms {
 };
 
 bool has_rows(std::span<const int64_t> offsets, size_t g) { return offsets[g + 1] > offsets[g]; }
+
+/// The experts' FP8 casts of `role` under `recipe`, [rows[g], cols] each with both copies (none
+/// where rows[g] is 0), carved from one allocation per kind of buffer: per-expert allocations
+/// cost the FP8 MoE step host time on every pass.
+std::vector<fp8::QuantizedTensor> expert_casts(std::span<const int64_t> rows, int64_t cols,
+                                               const fp8::Recipe& recipe, fp8::TensorRole role,
+                                               const Device& device) {
+  return fp8::QuantizedTensor::allocate_groups(rows, cols, recipe.dtype_for(role),
+                                               recipe.mode_for(role),
+                                               fp8::Usage{.rowwise = true, .columnwise = true},
+                                               device);
+}
+
+/// Each expert's row count.
+std::vector<int64_t> group_rows(std::span<const int64_t> offsets) {
+  std::vector<int64_t> rows(offsets.size() - 1);
+  for (size_t g = 0; g < rows.size(); ++g) rows[g] = offsets[g + 1] - offsets[g];
+  return rows;
+}
 
 }  // namespace
 
@@ -95,10 +115,19 @@ std::optional<std::vector<ops::FusedQuantize>> GroupedLinear::fused_input(
   saved.input_dtype = dtype;
   saved.experts = std::move(records);
   std::vector<ops::FusedQuantize> targets(experts_.size());
+  const std::vector<int64_t> rows = group_rows(offsets);
+  const auto first = std::find_if(rows.begin(), rows.end(), [](int64_t r) { return r > 0; });
+  if (first == rows.end()) return targets;
+  // One forward's experts share its recipe: the active one, or the snapshot's when recomputing.
+  const size_t first_expert = static_cast<size_t>(first - rows.begin());
+  const fp8::Recipe recipe =
+      recompute ? saved.experts[first_expert].snapshot.recipe : active_fp8()->recipe;
+  std::vector<fp8::QuantizedTensor> casts =
+      expert_casts(rows, in_, recipe, fp8::TensorRole::input, device_);
   for (size_t g = 0; g < experts_.size(); ++g) {
-    if (!has_rows(offsets, g)) continue;
-    targets[g] = *experts_[g].fused_input(offsets[g + 1] - offsets[g], dtype, saved.experts[g],
-                                          mode);
+    if (rows[g] == 0) continue;
+    targets[g] = *experts_[g].fused_input(rows[g], dtype, saved.experts[g], mode,
+                                          std::move(casts[g]));
   }
   return targets;
 }
@@ -167,13 +196,22 @@ Tensor GroupedLinear::backward(const Tensor& dy, const Saved& saved) {
   if (rows > grouped) dx.slice(grouped, rows).zero();
   // The grad_output casts of the experts that can take a fused one go in one grouped quantize;
   // the rest (a first delayed pass, BF16, other recipes) cast in their own backward.
-  std::vector<fp8::QuantizedTensor> dy_q(experts_.size());
+  std::vector<int64_t> fused_rows(experts_.size(), 0);
+  const fp8::Recipe* recipe = nullptr;
+  for (size_t g = 0; g < experts_.size(); ++g) {
+    if (has_rows(offsets, g) && experts_[g].takes_fused_grad_output(saved.experts[g])) {
+      fused_rows[g] = offsets[g + 1] - offsets[g];
+      recipe = &saved.experts[g].snapshot.recipe;
+    }
+  }
+  std::vector<fp8::QuantizedTensor> dy_q =
+      recipe != nullptr
+          ? expert_casts(fused_rows, out_, *recipe, fp8::TensorRole::grad_output, device_)
+          : std::vector<fp8::QuantizedTensor>(experts_.size());
   std::vector<ops::FusedQuantize> casts(experts_.size());
   for (size_t g = 0; g < experts_.size(); ++g) {
-    if (!has_rows(offsets, g)) continue;
-    if (auto cast = experts_[g].fused_grad_output(offsets[g + 1] - offsets[g], saved.experts[g],
-                                                  dy_q[g]))
-      casts[g] = *cast;
+    if (fused_rows[g] == 0) continue;
+    casts[g] = *experts_[g].fused_grad_output(fused_rows[g], saved.experts[g], dy_q[g]);
   }
   ops::quantize_groups(dy, offsets, casts);
   DeferredGemms gemms(experts_);

@@ -102,6 +102,28 @@ bool only_handles(const Tensor& t, long handles = 1) {
   return t.defined() && t.storage().use_count() == handles;
 }
 
+/// The [rows, cols] training cast of `role` under `recipe` (both copies, on `device`): `given`
+/// when the caller provides it (GroupedLinear carves its experts' casts from one allocation),
+/// checked; a fresh one when `given` is empty.
+fp8::QuantizedTensor training_cast(fp8::QuantizedTensor given, int64_t rows, int64_t cols,
+                                   const fp8::Recipe& recipe, TensorRole role,
+                                   const Device& device) {
+  const DType dtype = recipe.dtype_for(role);
+  const fp8::ScalingMode mode = recipe.mode_for(role);
+  if (!given.has_rowwise() && !given.has_columnwise()) {
+    return fp8::QuantizedTensor::allocate(rows, cols, dtype, mode,
+                                          fp8::Usage{.rowwise = true, .columnwise = true}, device);
+  }
+  OCTET_CHECK(given.rows == rows && given.cols == cols && given.dtype == dtype &&
+                  given.mode == mode && given.has_rowwise() && given.has_columnwise() &&
+                  given.device() == device,
+              "Linear: the cast buffer given for ", fp8::role_name(role), " must be [", rows, ", ",
+              cols, "] ", dtype_name(dtype), " ", fp8::scaling_mode_name(mode),
+              " with both copies on ", device, ", got [", given.rows, ", ", given.cols, "] ",
+              dtype_name(given.dtype), " ", fp8::scaling_mode_name(given.mode));
+  return given;
+}
+
 /// Whether q's own tensors are the only handles on their memory. The per-tensor transposed copy
 /// shares the row-wise copy's scale: two handles on one memory.
 bool only_handles(const fp8::QuantizedTensor& q) {
@@ -373,14 +395,14 @@ bool Linear::takes_fused_input(const Saved& saved, ForwardMode mode) const {
 }
 
 std::optional<ops::FusedQuantize> Linear::fused_input(int64_t rows, DType dtype, Saved& saved,
-                                                      ForwardMode mode) {
+                                                      ForwardMode mode,
+                                                      fp8::QuantizedTensor input_q) {
   if (!takes_fused_input(saved, mode)) return std::nullopt;
   const fp8::Recipe recipe =
       mode == ForwardMode::recompute ? saved.snapshot.recipe : active_fp8()->recipe;
   Saved out = start_record(saved, mode);
-  out.input_q = fp8::QuantizedTensor::allocate(
-      rows, in_, recipe.dtype_for(TensorRole::input), recipe.mode_for(TensorRole::input),
-      fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+  out.input_q =
+      training_cast(std::move(input_q), rows, in_, recipe, TensorRole::input, device_);
   out.input_prefilled = true;
   out.input_shape = {rows, in_};
   out.input_dtype = dtype;
@@ -567,20 +589,23 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
   backward_gemms_fp8(dy_q, dx, saved);
 }
 
+bool Linear::takes_fused_grad_output(const Saved& saved) const {
+  const Snapshot& snap = saved.snapshot;
+  if (!snap.fp8 || snap.recipe.kind != fp8::RecipeKind::delayed) return false;
+  if (first_delayed_pass(state_.get(), Pass::backward)) return false;
+  // The fused producer sums the bias gradient too, which Fusion::bias_grad may have switched off.
+  if (grad_bias_.defined() && !fusion_enabled(Fusion::bias_grad)) return false;
+  return grad_stats_ == nullptr;  // the statistics need the unfused dy
+}
+
 std::optional<ops::FusedQuantize> Linear::fused_grad_output(int64_t rows, const Saved& saved,
                                                             fp8::QuantizedTensor& dy_q) {
+  if (!takes_fused_grad_output(saved)) return std::nullopt;
   const Snapshot& snap = saved.snapshot;
-  if (!snap.fp8 || snap.recipe.kind != fp8::RecipeKind::delayed) return std::nullopt;
-  if (first_delayed_pass(state_.get(), Pass::backward)) return std::nullopt;
-  // The fused producer sums the bias gradient too, which Fusion::bias_grad may have switched off.
-  if (grad_bias_.defined() && !fusion_enabled(Fusion::bias_grad)) return std::nullopt;
-  if (grad_stats_ != nullptr) return std::nullopt;  // the statistics need the unfused dy
   OCTET_CHECK(state_ != nullptr && state_->matches(snap.recipe),
               "Linear::fused_grad_output: the FP8 state of the forward's recipe ",
               snap.recipe.name(), " is gone");
-  dy_q = fp8::QuantizedTensor::allocate(rows, out_, snap.recipe.dtype_for(TensorRole::grad_output),
-                                        snap.recipe.mode_for(TensorRole::grad_output),
-                                        fp8::Usage{.rowwise = true, .columnwise = true}, device_);
+  dy_q = training_cast(std::move(dy_q), rows, out_, snap.recipe, TensorRole::grad_output, device_);
   ops::FusedQuantize fused;
   fused.out = &dy_q;
   fused.args.scale = state_->scale(TensorRole::grad_output);

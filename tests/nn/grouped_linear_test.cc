@@ -1,7 +1,8 @@
 // nn::GroupedLinear: every expert's forward, backward and FP8 state are bitwise those of its own
 // nn::Linear run alone, under BF16 and every FP8 recipe; delayed scaling records one amax per
 // expert; activation recompute is bitwise no recompute; a fused FP8 input is bitwise the unfused
-// one; and on a GPU, runs at the field shape of FIELD-NOTES section 3 repeat byte for byte.
+// one, its experts' casts carved from one allocation; and on a GPU, runs at the field shape of
+// FIELD-NOTES section 3 repeat byte for byte.
 #include "octet/nn/grouped_linear.h"
 
 #include <gtest/gtest.h>
@@ -276,6 +277,15 @@ TEST_P(GroupedLinearDevice, FusedInputIsBitwiseTheUnfusedInput) {
         }
       }
       y1 = fused.forward(targets ? Tensor() : x, offsets, saved);
+    }
+    if (step > 0) {  // the fused casts are carved from one allocation per kind of buffer
+      const fp8::QuantizedTensor& first = saved.experts.front().input_q;
+      for (size_t g = 1; g < kUnits.size(); ++g) {
+        if (kUnits[g] == 0) continue;
+        EXPECT_EQ(saved.experts[g].input_q.data.storage(), first.data.storage()) << "expert " << g;
+        EXPECT_EQ(saved.experts[g].input_q.data_t.storage(), first.data_t.storage())
+            << "expert " << g;
+      }
     }
     const Tensor dx1 = fused.backward(dy, saved);
     fused_registry.finalize_backward();

@@ -1,7 +1,8 @@
 // ops::quantize_groups: every group's result (both copies, scales, amax, column sums) is bitwise
 // what ops::quantize on the CPU gives for that group's rows alone, on every backend, scaling mode
 // and input dtype; empty groups, groups the caller skips, rows past the last offset and more
-// groups than one CUDA launch takes are covered; bad offsets and targets are refused by name.
+// groups than one CUDA launch takes are covered, as are targets carved from one allocation; bad
+// offsets and targets are refused by name.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -74,20 +75,26 @@ struct Target {
   ops::QuantizeArgs args;
 };
 
+/// Group g's scale, amax slot and column sums on `device`.
+ops::QuantizeArgs make_args(const GroupCase& p, size_t g, const Device& device,
+                            const std::vector<float>& column_start) {
+  ops::QuantizeArgs args;
+  if (p.mode == ScalingMode::per_tensor)
+    args.scale = Tensor::from_vector({0.5f + static_cast<float>(g)}, {1}).to(device);
+  args.amax = Tensor::from_vector({0.25f}, {1}).to(device);
+  args.power_of_2_block_scales = g % 2 == 0;
+  if (p.column_sums) {
+    args.column_sums = Tensor::from_vector(column_start, {kCols}).to(device);
+    args.accumulate_column_sums = g % 2 == 1;
+  }
+  return args;
+}
+
 Target make_target(const GroupCase& p, int64_t rows, size_t g, const Device& device,
                    const std::vector<float>& column_start) {
   const DType fp8 = g % 3 == 2 ? DType::e5m2 : DType::e4m3;
-  Target t;
-  t.q = QuantizedTensor::allocate(rows, kCols, fp8, p.mode, p.usage, device);
-  if (p.mode == ScalingMode::per_tensor)
-    t.args.scale = Tensor::from_vector({0.5f + static_cast<float>(g)}, {1}).to(device);
-  t.args.amax = Tensor::from_vector({0.25f}, {1}).to(device);
-  t.args.power_of_2_block_scales = g % 2 == 0;
-  if (p.column_sums) {
-    t.args.column_sums = Tensor::from_vector(column_start, {kCols}).to(device);
-    t.args.accumulate_column_sums = g % 2 == 1;
-  }
-  return t;
+  return {QuantizedTensor::allocate(rows, kCols, fp8, p.mode, p.usage, device),
+          make_args(p, g, device, column_start)};
 }
 
 void expect_target_equal(const Target& expected, const Target& got) {
@@ -144,6 +151,43 @@ TEST_P(QuantizeGroups, EachGroupIsBitwiseTheCpuQuantizeOfItsRows) {
     expect_target_equal(expected[g], got[g]);
     EXPECT_TRUE(std::isfinite(testing::to_floats(got[g].args.amax)[0]))
         << "the NaN rows past the last offset were read";
+  }
+}
+
+/// Targets carved from one allocation per kind (QuantizedTensor::allocate_groups, as GroupedLinear
+/// makes its experts') are written exactly as separately allocated ones: same bits, and no group
+/// writes past its own piece.
+TEST_P(QuantizeGroups, CarvedTargetsGetWhatSeparateOnesGet) {
+  const GroupCase& p = GetParam();
+  const std::vector<int64_t> offsets = offsets_of(kGroupRows);
+  const Tensor x = on(testing::make_tensor(
+                          testing::signed_magnitudes(offsets.back() * kCols, 1e-3f, 8.0f, rng),
+                          {offsets.back(), kCols}, p.input),
+                      p.backend);
+  const std::vector<float> column_start = testing::uniform_values(kCols, -1.0f, 1.0f, rng);
+  std::vector<QuantizedTensor> carved = QuantizedTensor::allocate_groups(
+      kGroupRows, kCols, DType::e4m3, p.mode, p.usage, p.backend);
+  std::vector<Target> separate, in_carved;
+  std::vector<ops::FusedQuantize> separate_targets(kGroupRows.size()),
+      carved_targets(kGroupRows.size());
+  for (size_t g = 0; g < kGroupRows.size(); ++g) {
+    if (kGroupRows[g] == 0) continue;
+    separate.push_back({QuantizedTensor::allocate(kGroupRows[g], kCols, DType::e4m3, p.mode,
+                                                  p.usage, p.backend),
+                        make_args(p, g, p.backend, column_start)});
+    in_carved.push_back({std::move(carved[g]), make_args(p, g, p.backend, column_start)});
+  }
+  for (size_t g = 0, t = 0; g < kGroupRows.size(); ++g) {
+    if (kGroupRows[g] == 0) continue;
+    separate_targets[g] = {&separate[t].q, separate[t].args};
+    carved_targets[g] = {&in_carved[t].q, in_carved[t].args};
+    ++t;
+  }
+  ops::quantize_groups(x, offsets, separate_targets);
+  ops::quantize_groups(x, offsets, carved_targets);
+  for (size_t t = 0; t < separate.size(); ++t) {
+    SCOPED_TRACE(::testing::Message() << "non-empty group " << t);
+    expect_target_equal(separate[t], in_carved[t]);
   }
 }
 

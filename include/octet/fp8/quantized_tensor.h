@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include "octet/core/tensor.h"
 
@@ -54,6 +56,18 @@ struct QuantizedTensor {
   /// Allocates the buffers (contents undefined) for a [rows, cols] matrix on `device`.
   static QuantizedTensor allocate(int64_t rows, int64_t cols, DType dtype, ScalingMode mode,
                                   Usage usage, const Device& device);
+  /// allocate() for a [rows[g], cols] matrix per group g, carved from one allocation per kind of
+  /// buffer (row-wise data, transposed data, their scales) instead of one per group and kind: the
+  /// experts of an MoE layer cast their rows every step, and on a GPU each allocation costs host
+  /// time. Every piece starts kGroupAlignment-aligned, as a fresh allocation would. A group of 0
+  /// rows gets an empty QuantizedTensor. The groups share memory: it is freed once every group
+  /// has dropped that kind of buffer (the row-wise copies of all experts, for instance).
+  static std::vector<QuantizedTensor> allocate_groups(std::span<const int64_t> rows, int64_t cols,
+                                                      DType dtype, ScalingMode mode, Usage usage,
+                                                      const Device& device);
+  /// Byte alignment of every piece that allocate_groups() carves (what cuBLASLt and the vector
+  /// loads of the cast kernels want, and at least what the device allocator gives).
+  static constexpr int64_t kGroupAlignment = 256;
   bool has_rowwise() const { return data.defined(); }
   bool has_columnwise() const { return data_t.defined(); }
   const Device& device() const;

@@ -143,9 +143,12 @@ class Linear {
   /// quantizes exactly as forward() would, without reading x again; x (rows x in, `dtype`) may
   /// then be undefined when nothing else needs it. Returns nullopt (and leaves `saved` alone)
   /// when this forward cannot take a fused input: not FP8, another recipe, or inference. The
-  /// returned target points into `saved`: do not move `saved` until forward().
+  /// returned target points into `saved`: do not move `saved` until forward(). `input_q`, when
+  /// given, is the buffer the cast goes to (the [rows, in] input cast of the recipe, both copies;
+  /// GroupedLinear carves its experts' from one allocation); else one is allocated.
   std::optional<ops::FusedQuantize> fused_input(int64_t rows, DType dtype, Saved& saved,
-                                                ForwardMode mode = ForwardMode::normal);
+                                                ForwardMode mode = ForwardMode::normal,
+                                                fp8::QuantizedTensor input_q = {});
   /// Whether fused_input(..., saved, mode) would return a target now (it has no side effects).
   bool takes_fused_input(const Saved& saved, ForwardMode mode = ForwardMode::normal) const;
   /// Rebuilding the FP8 input that Saved::release_fp8_input freed, for backward: returns the
@@ -175,8 +178,12 @@ class Linear {
   ///   producer_backward(..., fused ? &*fused : nullptr);  // writes dy_q, adds to grad_bias
   ///   dx = fused ? linear.backward(dy_q, saved) : linear.backward(dy, saved);
   /// gives bitwise what backward(dy) gives. nullopt when the record's recipe cannot take it.
+  /// An empty dy_q is allocated; an allocated one (the [rows, out] grad_output cast of the
+  /// record's recipe, both copies) is written as it is.
   std::optional<ops::FusedQuantize> fused_grad_output(int64_t rows, const Saved& saved,
                                                       fp8::QuantizedTensor& dy_q);
+  /// Whether fused_grad_output(..., saved, ...) would return a target now (no side effects).
+  bool takes_fused_grad_output(const Saved& saved) const;
   /// backward() with grad_output already quantized (and its bias gradient added) through
   /// fused_grad_output.
   Tensor backward(const fp8::QuantizedTensor& dy_q, const Saved& saved);
