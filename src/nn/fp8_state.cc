@@ -169,14 +169,24 @@ void AmaxRegistry::finalize(Pass pass) {
     }
     ops::ScalingGroup group = s->groups_[p];
     group.last_amax = s->last_amax_[p];
-    // Forward scales are snapshotted by Linear forwards for recompute (Linear::Snapshot): the new
-    // scales go to fresh storage, so a snapshot keeps the values it was taken with.
-    if (pass == Pass::forward)
-      group.next_scale = Tensor::empty(group.scale.shape(), DType::f32, s->device());
     it->groups.push_back(std::move(group));
     it->states.push_back(s.get());
   }
-  for (const Bucket& b : buckets) {
+  for (Bucket& b : buckets) {
+    // Forward scales are snapshotted by Linear forwards for recompute (Linear::Snapshot): the new
+    // scales go to fresh storage, so a snapshot keeps the values it was taken with. One
+    // allocation serves the bucket's states (a slice each): an MoE layer's experts are many
+    // states, and an allocation each would cost host time on every step.
+    if (pass == Pass::forward) {
+      int64_t total = 0;
+      for (const ops::ScalingGroup& g : b.groups) total += g.scale.numel();
+      const Tensor next = Tensor::empty({total}, DType::f32, b.device);
+      int64_t offset = 0;
+      for (ops::ScalingGroup& g : b.groups) {
+        g.next_scale = next.slice(offset, offset + g.scale.numel()).view(g.scale.shape());
+        offset += g.scale.numel();
+      }
+    }
     ops::update_delayed_scaling(b.groups.data(), static_cast<int>(b.groups.size()), b.margin,
                                 b.algo);
     ++scaling_update_calls_;

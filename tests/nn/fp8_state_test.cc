@@ -121,6 +121,33 @@ TEST_P(FP8StateTest, DelayedFinalizeRollsOncePerPassAndOnlyPendingStates) {
   EXPECT_EQ(a->forward_updates(), 1);
 }
 
+TEST_P(FP8StateTest, ForwardScalesMoveToOneFreshAllocationAndHeldViewsKeepTheirValues) {
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  AmaxRegistry registry;
+  std::vector<std::shared_ptr<FP8State>> states;
+  std::vector<Tensor> held;  // what a forward's snapshot keeps: the input scale it used
+  for (int k = 0; k < 3; ++k) {
+    states.push_back(std::make_shared<FP8State>(Recipe::delayed(0, kHistoryLen), device));
+    registry.register_state(states.back());
+    set_value(states.back()->amax_slot(TensorRole::input), 2.0f * static_cast<float>(k + 1));
+    set_value(states.back()->amax_slot(TensorRole::weight), 1.0f);
+    states.back()->mark_recorded(Pass::forward);
+    held.push_back(states.back()->scale(TensorRole::input));
+  }
+  registry.finalize_forward();
+  for (size_t k = 0; k < states.size(); ++k) {
+    SCOPED_TRACE(::testing::Message() << "state " << k);
+    EXPECT_EQ(value_of(held[k]), 1.0f) << "a held view keeps the scale it was taken with";
+    EXPECT_EQ(value_of(states[k]->scale(TensorRole::input)),
+              fp8::kE4M3Max / (2.0f * static_cast<float>(k + 1)));
+    EXPECT_NE(states[k]->group(Pass::forward).scale.storage(), held[k].storage());
+    // One allocation for the pass's new scales, not one per state.
+    EXPECT_EQ(states[k]->group(Pass::forward).scale.storage(),
+              states[0]->group(Pass::forward).scale.storage());
+  }
+}
+
 TEST_P(FP8StateTest, NonDelayedFinalizeKeepsStatisticsAndZeroesTheSlot) {
   const Device device = GetParam();
   OCTET_SKIP_IF_UNAVAILABLE(device);
