@@ -552,7 +552,8 @@ if len(runs) == 3:
         kinds = run.get("peak_by_kind_gib", {})
         print(f"  {name} peak by kind: " + ", ".join(f"{k} {v:.2f}" for k, v in kinds.items()) +
               f"; GEMM plans made in the timed steps: {run.get('timed_gemm_plans', '?')} "
-              f"({run.get('timed_gemm_plan_ms', 0):.1f} ms of host time)")
+              f"({run.get('timed_gemm_plan_ms', 0):.1f} ms of host time); "
+              f"allocations a step: {run.get('allocations_per_step', '?')}")
 else:
     print(f"  {len(runs)} of 3 runs reported (moe.log)")
 table = [l for l in lines if l.startswith("op ") or "% step" in l]

@@ -2,6 +2,8 @@
 
 #include <malloc.h>  // malloc_usable_size (glibc): a host block's size at free
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -22,6 +24,16 @@ size_t round_up(size_t n, size_t multiple) { return (n + multiple - 1) / multipl
 std::atomic<size_t> g_host_live{0};
 std::atomic<size_t> g_host_peak{0};
 
+/// device_allocations' counters: the host's, then one per GPU index (the last one shared by any
+/// index past it).
+constexpr size_t kCountedDevices = 1 + 64;
+std::array<std::atomic<uint64_t>, kCountedDevices> g_allocations{};
+
+std::atomic<uint64_t>& allocations_of(const Device& device) {
+  const size_t slot = device.is_cpu() ? 0 : 1 + static_cast<size_t>(device.index);
+  return g_allocations[std::min(slot, kCountedDevices - 1)];
+}
+
 void add_host_bytes(size_t bytes) {
   const size_t live = g_host_live.fetch_add(bytes) + bytes;
   size_t peak = g_host_peak.load();
@@ -32,6 +44,7 @@ void add_host_bytes(size_t bytes) {
 
 void* device_alloc(size_t bytes, const Device& device) {
   if (bytes == 0) bytes = 1;  // distinct non-null pointers keep empty-tensor handling uniform
+  allocations_of(device).fetch_add(1, std::memory_order_relaxed);
   if (device.is_cpu()) {
     void* ptr = std::aligned_alloc(kHostAlignment, round_up(bytes, kHostAlignment));
     OCTET_CHECK(ptr != nullptr, "out of host memory allocating ", bytes, " bytes");
@@ -73,6 +86,10 @@ void device_free(void* ptr, const Device& device) noexcept {
   cudaFreeAsync(ptr, cuda::stream(device));
   cudaSetDevice(previous);
 #endif
+}
+
+uint64_t device_allocations(const Device& device) {
+  return allocations_of(device).load(std::memory_order_relaxed);
 }
 
 size_t device_peak_bytes(const Device& device) {

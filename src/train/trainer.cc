@@ -342,14 +342,14 @@ void with_memory_advice(const TrainOptions& o, Body&& body) {
   }
 }
 
-/// `bytes_on(device)` added up over the devices, each device once: a split model's whole
-/// footprint, which the by-kind figures (totals over the stages) add up to.
-template <typename BytesOn>
-size_t summed_over(const std::vector<Device>& devices, BytesOn bytes_on) {
-  size_t total = 0;
+/// `value_on(device)` (bytes, allocations) added up over the devices, each device once: a split
+/// model's whole footprint, which the by-kind figures (totals over the stages) add up to.
+template <typename ValueOn>
+uint64_t summed_over(const std::vector<Device>& devices, ValueOn value_on) {
+  uint64_t total = 0;
   for (size_t i = 0; i < devices.size(); ++i)
     if (std::find(devices.begin(), devices.begin() + i, devices[i]) == devices.begin() + i)
-      total += bytes_on(devices[i]);
+      total += value_on(devices[i]);
   return total;
 }
 
@@ -576,10 +576,12 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
   double loss = 0;
   uint64_t plans_before_timing = 0;
   double planning_before_timing = 0;
+  uint64_t allocations_before_timing = 0;
   for (int64_t i = 0; i < warmup_steps + o.steps; ++i) {
     if (i == warmup_steps) {
       plans_before_timing = ops::gemm_plans_made();
       planning_before_timing = ops::gemm_planning_seconds();
+      allocations_before_timing = summed_over(devices, device_allocations);
     }
     if (profile && i == warmup_steps) profiler::set_enabled(true);
     const auto start = std::chrono::steady_clock::now();
@@ -589,6 +591,8 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (i >= warmup_steps) rates.push_back(tokens_per_step / seconds);
   }
+  const uint64_t timed_allocations =
+      summed_over(devices, device_allocations) - allocations_before_timing;
   std::sort(rates.begin(), rates.end());
   const double median = rates[rates.size() / 2];
   if (profile) profiler::set_enabled(false);
@@ -625,6 +629,7 @@ void train_benchmark(const TrainOptions& options, int64_t warmup_steps, bool pro
                            .workspace = gib_of(summed_over(devices, ops::gemm_workspace_bytes))},
                           static_cast<int64_t>(ops::gemm_plans_made() - plans_before_timing),
                           1000.0 * (ops::gemm_planning_seconds() - planning_before_timing),
+                          static_cast<double>(timed_allocations) / static_cast<double>(o.steps),
                           nn::disabled_fusions(),
                           ops::attention_choice_name(ops::attention_choice()),
                           dp.size(),

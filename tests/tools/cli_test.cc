@@ -93,6 +93,27 @@ TEST(Cli, BenchTrainFp8PeakActivationsStayWellBelowBf16s) {
   EXPECT_LT(fp8.at("peak_gib").get<double>(), bf16.at("peak_gib").get<double>());
 }
 
+TEST(Cli, BenchTrainMoeStepAllocationsDoNotGrowWithTheExperts) {
+  // On a GPU every allocation is host time (a cudaMallocAsync and a cudaFreeAsync), and the FP8
+  // MoE step is host-bound. Once every expert is calibrated, a step allocates per grouped tensor,
+  // never per expert: the experts' FP8 casts are carved from one allocation per kind
+  // (QuantizedTensor::allocate_groups), their new forward scales from one (AmaxRegistry), and
+  // each weight cast reuses the last one's memory. 1,024 tokens give all 16 experts rows.
+  const std::string shape =
+      "--model moe-tiny --device cpu --batch 8 --seq 128 --steps 2 --warmup-steps 3 --precision ";
+  for (const char* precision : {"fp8-delayed", "bf16"}) {
+    SCOPED_TRACE(precision);
+    const nlohmann::json four = bench_train(shape + precision + " --experts 4");
+    const nlohmann::json sixteen = bench_train(shape + precision + " --experts 16");
+    ASSERT_TRUE(four.contains("allocations_per_step") && sixteen.contains("allocations_per_step"))
+        << four;
+    EXPECT_GT(four.at("allocations_per_step").get<double>(), 0.0) << four;
+    EXPECT_EQ(sixteen.at("allocations_per_step").get<double>(),
+              four.at("allocations_per_step").get<double>())
+        << sixteen << "\n" << four;
+  }
+}
+
 TEST(Cli, UnknownFlagIsOneLineAndExitCode2) {
   const auto dir = testing::scratch_dir();
   const CliResult r = run_octet("train --device cpu --bogus-flag 3", dir);

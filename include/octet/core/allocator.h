@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "octet/core/device.h"
 
@@ -17,6 +18,12 @@ inline constexpr size_t kHostAlignment = 64;
 void* device_alloc(size_t bytes, const Device& device);
 /// Frees memory from device_alloc. Never throws.
 void device_free(void* ptr, const Device& device) noexcept;
+
+/// How many allocations device_alloc has made on `device` since the process started (all host
+/// devices together for the CPU). On a GPU each costs host time (a cudaMallocAsync, then a
+/// cudaFreeAsync), which a host-bound training step pays in full: `octet bench train` reports the
+/// count a step.
+uint64_t device_allocations(const Device& device);
 
 /// Most bytes held at once since the last reset: in `device`'s CUDA memory pool, or for the CPU
 /// in host tensor memory (all host devices together, as malloc counts the blocks).

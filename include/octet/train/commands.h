@@ -51,6 +51,9 @@ struct TrainBenchResult {
   /// query for a shape not seen before.
   int64_t timed_gemm_plans = 0;
   double timed_gemm_plan_ms = 0;  ///< the host time those queries took, in all timed steps
+  /// Memory allocations a timed step made on the run's devices (device_allocations), the mean:
+  /// on a GPU each is host time that a host-bound step pays.
+  double allocations_per_step = 0;
   /// The fusions that were off (nn::disabled_fusions: --unfuse and OCTET_UNFUSE), or "none".
   std::string unfused = "none";
   /// The attention choice the run had (--attention, OCTET_ATTENTION): "flash", "cudnn" or "auto".
