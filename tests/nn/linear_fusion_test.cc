@@ -17,6 +17,7 @@
 #include "octet/nn/linear.h"
 #include "octet/ops/activation.h"
 #include "octet/ops/norm.h"
+#include "octet/ops/quantize.h"
 #include "test_util.h"
 
 namespace octet::nn {
@@ -302,6 +303,54 @@ TEST_P(LinearFusionTest, FusedGradOutputIsDeclinedOutsideDelayedScalingAndChecke
       8, 16, DType::e5m2, fp8::ScalingMode::per_tensor, {true, true}, device);
   EXPECT_THAT([&] { layer.backward(wrong, delayed_saved); },
               ::testing::ThrowsMessage<Error>(HasSubstr("fused grad_output [16, 16]")));
+}
+
+TEST_P(LinearFusionTest, GivenCastBuffersAreUsedAsTheyAreOrRefusedByName) {
+  // A caller may hand fused_input / fused_grad_output the buffer to write (GroupedLinear carves
+  // its experts' from one allocation): the right format is written in place, a wrong one refused.
+  const Device device = GetParam();
+  OCTET_SKIP_IF_UNAVAILABLE(device);
+  const uint64_t seed = fresh_seed();
+  Linear layer(32, 16, true, device, seed, DType::bf16);
+  AmaxRegistry registry;
+  const Tensor x = testing::random_tensor({16, 32}, DType::bf16, seed + 1).to(device);
+  const Tensor dy = testing::random_tensor({16, 16}, DType::bf16, seed + 2).to(device);
+  {  // a first step calibrates both passes: only then do they take fused casts
+    Linear::Saved saved;
+    {
+      Fp8Autocast scope(Recipe::delayed(), registry);
+      layer.forward(x, saved);
+    }
+    layer.backward(dy, saved);
+    registry.finalize_backward();
+  }
+  const auto cast = [&](int64_t rows, int64_t cols, DType dtype) {
+    return fp8::QuantizedTensor::allocate(rows, cols, dtype, fp8::ScalingMode::per_tensor,
+                                          {true, true}, device);
+  };
+  Fp8Autocast scope(Recipe::delayed(), registry);
+  Linear::Saved saved;
+  const auto short_input = [&] {
+    layer.fused_input(16, DType::bf16, saved, ForwardMode::normal, cast(8, 32, DType::e4m3));
+  };
+  EXPECT_THAT(short_input, ::testing::ThrowsMessage<Error>(HasSubstr(
+                               "the cast buffer given for input must be [16, 32] e4m3 "
+                               "per_tensor with both copies")));
+  const fp8::QuantizedTensor given = cast(16, 32, DType::e4m3);
+  const auto target = layer.fused_input(16, DType::bf16, saved, ForwardMode::normal, given);
+  ASSERT_TRUE(target.has_value());
+  EXPECT_EQ(target->out->data.raw_data(), given.data.raw_data());
+  EXPECT_EQ(target->out->data_t.raw_data(), given.data_t.raw_data());
+  ops::quantize(x, *target->out, target->args);  // the producer's write
+  layer.forward(Tensor(), saved);
+  fp8::QuantizedTensor wrong_dtype = cast(16, 16, DType::e4m3);  // grad_output is e5m2 (hybrid)
+  EXPECT_THAT([&] { layer.fused_grad_output(16, saved, wrong_dtype); },
+              ::testing::ThrowsMessage<Error>(HasSubstr(
+                  "the cast buffer given for grad_output must be [16, 16] e5m2")));
+  fp8::QuantizedTensor dy_q = cast(16, 16, DType::e5m2);
+  const void* dy_data = dy_q.data.raw_data();
+  ASSERT_TRUE(layer.fused_grad_output(16, saved, dy_q).has_value());
+  EXPECT_EQ(dy_q.data.raw_data(), dy_data) << "an allocated dy_q is written as it is";
 }
 
 TEST_P(LinearFusionTest, ActivationFusedInputAndGradOutputMatchTheUnfusedLayer) {
