@@ -1,6 +1,7 @@
 #include "octet/fp8/quantized_tensor.h"
 
 #include "core/int_math.h"
+#include "octet/core/carve.h"
 
 namespace octet::fp8 {
 
@@ -38,32 +39,6 @@ void check_format(DType dtype, int64_t cols, Usage usage) {
               "QuantizedTensor needs rowwise or columnwise usage (or both), got neither");
 }
 
-/// One flat buffer of `dtype` cut into aligned pieces: reserve() every piece's element count
-/// first, then carve() them in the same order.
-class Carver {
- public:
-  explicit Carver(DType dtype) : dtype_(dtype) {}
-  void reserve(int64_t elements) {
-    const int64_t alignment =
-        QuantizedTensor::kGroupAlignment / static_cast<int64_t>(dtype_size(dtype_));
-    offsets_.push_back(round_up(end_, alignment));
-    end_ = offsets_.back() + elements;
-  }
-  /// The next reserved piece, viewed as `shape`.
-  Tensor carve(const Shape& shape, const Device& device) {
-    if (!flat_.defined()) flat_ = Tensor::empty({end_}, dtype_, device);
-    const int64_t begin = offsets_[next_++];
-    return flat_.slice(begin, begin + shape_numel(shape)).view(shape);
-  }
-
- private:
-  DType dtype_;
-  std::vector<int64_t> offsets_;
-  int64_t end_ = 0;
-  size_t next_ = 0;
-  Tensor flat_;
-};
-
 }  // namespace
 
 std::vector<QuantizedTensor> QuantizedTensor::allocate_groups(std::span<const int64_t> rows,
@@ -71,23 +46,15 @@ std::vector<QuantizedTensor> QuantizedTensor::allocate_groups(std::span<const in
                                                               ScalingMode mode, Usage usage,
                                                               const Device& device) {
   check_format(dtype, cols, usage);
+  const DType sdt = scale_dtype(mode);
+  TensorCarver data(dtype, device, kGroupAlignment), data_t(dtype, device, kGroupAlignment),
+      scales(sdt, device, kGroupAlignment), scales_t(sdt, device, kGroupAlignment);
+  // per_tensor with both copies: one scale serves both.
+  const bool shared_scale = mode == ScalingMode::per_tensor && usage.rowwise && usage.columnwise;
   std::vector<QuantizedTensor> groups(rows.size());
-  Carver data(dtype), data_t(dtype), scales(scale_dtype(mode)), scales_t(scale_dtype(mode));
-  const bool shared_scale = mode == ScalingMode::per_tensor && usage.rowwise;
-  for (const int64_t r : rows) {
-    OCTET_CHECK(r >= 0, "QuantizedTensor::allocate_groups: a group of ", r, " rows");
-    if (r == 0) continue;
-    if (usage.rowwise) {
-      data.reserve(r * cols);
-      scales.reserve(shape_numel(scale_shape(mode, r, cols)));
-    }
-    if (usage.columnwise) {
-      data_t.reserve(r * cols);
-      if (!shared_scale) scales_t.reserve(shape_numel(scale_shape(mode, cols, r)));
-    }
-  }
   for (size_t g = 0; g < rows.size(); ++g) {
     const int64_t r = rows[g];
+    OCTET_CHECK(r >= 0, "QuantizedTensor::allocate_groups: a group of ", r, " rows");
     if (r == 0) continue;
     QuantizedTensor& q = groups[g];
     q.mode = mode;
@@ -95,16 +62,16 @@ std::vector<QuantizedTensor> QuantizedTensor::allocate_groups(std::span<const in
     q.rows = r;
     q.cols = cols;
     if (usage.rowwise) {
-      q.data = data.carve({r, cols}, device);
-      q.scale_inv = scales.carve(scale_shape(mode, r, cols), device);
+      data.place({r, cols}, &q.data);
+      scales.place(scale_shape(mode, r, cols), &q.scale_inv,
+                   shared_scale ? &q.scale_inv_t : nullptr);
     }
     if (usage.columnwise) {
-      q.data_t = data_t.carve({cols, r}, device);
-      // per_tensor: one scale serves both copies
-      q.scale_inv_t =
-          shared_scale ? q.scale_inv : scales_t.carve(scale_shape(mode, cols, r), device);
+      data_t.place({cols, r}, &q.data_t);
+      if (!shared_scale) scales_t.place(scale_shape(mode, cols, r), &q.scale_inv_t);
     }
   }
+  for (TensorCarver* kind : {&data, &data_t, &scales, &scales_t}) kind->allocate();
   return groups;
 }
 

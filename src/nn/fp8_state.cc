@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "octet/core/carve.h"
 #include "octet/fp8/format.h"
 #include "octet/ops/quantize.h"
 
@@ -178,14 +179,9 @@ void AmaxRegistry::finalize(Pass pass) {
     // allocation serves the bucket's states (a slice each): an MoE layer's experts are many
     // states, and an allocation each would cost host time on every step.
     if (pass == Pass::forward) {
-      int64_t total = 0;
-      for (const ops::ScalingGroup& g : b.groups) total += g.scale.numel();
-      const Tensor next = Tensor::empty({total}, DType::f32, b.device);
-      int64_t offset = 0;
-      for (ops::ScalingGroup& g : b.groups) {
-        g.next_scale = next.slice(offset, offset + g.scale.numel()).view(g.scale.shape());
-        offset += g.scale.numel();
-      }
+      TensorCarver next(DType::f32, b.device, sizeof(float));
+      for (ops::ScalingGroup& g : b.groups) next.place(g.scale.shape(), &g.next_scale);
+      next.allocate();
     }
     ops::update_delayed_scaling(b.groups.data(), static_cast<int>(b.groups.size()), b.margin,
                                 b.algo);
