@@ -196,12 +196,14 @@ Tensor GroupedLinear::backward(const Tensor& dy, const Saved& saved) {
   if (rows > grouped) dx.slice(grouped, rows).zero();
   // The grad_output casts of the experts that can take a fused one go in one grouped quantize;
   // the rest (a first delayed pass, BF16, other recipes) cast in their own backward.
-  std::vector<int64_t> fused_rows(experts_.size(), 0);
+  std::vector<int64_t> fused_rows = group_rows(offsets);
   const fp8::Recipe* recipe = nullptr;
   for (size_t g = 0; g < experts_.size(); ++g) {
-    if (has_rows(offsets, g) && experts_[g].takes_fused_grad_output(saved.experts[g])) {
-      fused_rows[g] = offsets[g + 1] - offsets[g];
+    if (fused_rows[g] == 0) continue;
+    if (experts_[g].takes_fused_grad_output(saved.experts[g])) {
       recipe = &saved.experts[g].snapshot.recipe;
+    } else {
+      fused_rows[g] = 0;
     }
   }
   std::vector<fp8::QuantizedTensor> dy_q =

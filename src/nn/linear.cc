@@ -102,6 +102,14 @@ bool only_handles(const Tensor& t, long handles = 1) {
   return t.defined() && t.storage().use_count() == handles;
 }
 
+/// Whether q's own tensors are the only handles on their memory. The per-tensor transposed copy
+/// shares the row-wise copy's scale: two handles on one memory.
+bool only_handles(const fp8::QuantizedTensor& q) {
+  const long scale_handles = q.scale_inv_t.storage() == q.scale_inv.storage() ? 2 : 1;
+  return only_handles(q.data) && only_handles(q.data_t) &&
+         only_handles(q.scale_inv, scale_handles) && only_handles(q.scale_inv_t, scale_handles);
+}
+
 /// The [rows, cols] training cast of `role` under `recipe` (both copies, on `device`): `given`
 /// when the caller provides it (GroupedLinear carves its experts' casts from one allocation),
 /// checked; a fresh one when `given` is empty.
@@ -122,14 +130,6 @@ fp8::QuantizedTensor training_cast(fp8::QuantizedTensor given, int64_t rows, int
               " with both copies on ", device, ", got [", given.rows, ", ", given.cols, "] ",
               dtype_name(given.dtype), " ", fp8::scaling_mode_name(given.mode));
   return given;
-}
-
-/// Whether q's own tensors are the only handles on their memory. The per-tensor transposed copy
-/// shares the row-wise copy's scale: two handles on one memory.
-bool only_handles(const fp8::QuantizedTensor& q) {
-  const long scale_handles = q.scale_inv_t.storage() == q.scale_inv.storage() ? 2 : 1;
-  return only_handles(q.data) && only_handles(q.data_t) &&
-         only_handles(q.scale_inv, scale_handles) && only_handles(q.scale_inv_t, scale_handles);
 }
 
 }  // namespace

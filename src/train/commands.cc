@@ -129,16 +129,17 @@ void print_train_bench(const TrainBenchResult& r) {
       "\"tokens_per_s\":%.9g,\"peak_gib\":%.4f,\"params\":%lld,\"last_loss\":%.6g,"
       "\"peak_by_kind_gib\":{\"weights\":%.4f,\"gradients\":%.4f,\"optimizer\":%.4f,"
       "\"weight_casts\":%.4f,\"workspace\":%.4f,\"activations\":%.4f},\"timed_gemm_plans\":%lld,"
-      "\"timed_gemm_plan_ms\":%.3f,\"allocations_per_step\":%.1f,\"unfused\":\"%s\",\"attention\":\"%s\",\"world_size\":%d,"
-      "\"zero\":%lld,\"masters_and_moments_max_gib\":%.4f}\n",
+      "\"timed_gemm_plan_ms\":%.3f,\"allocations_per_step\":%.1f,\"unfused\":\"%s\","
+      "\"attention\":\"%s\",\"world_size\":%d,\"zero\":%lld,"
+      "\"masters_and_moments_max_gib\":%.4f}\n",
       r.model.c_str(), r.precision.c_str(), r.device.c_str(), (long long)r.batch, (long long)r.seq,
       (long long)r.accum, r.recompute ? "true" : "false", (long long)r.steps, r.tokens_per_s,
       r.peak_gib, (long long)r.params, r.last_loss, m.weights, m.gradients, m.optimizer,
       m.weight_casts, m.workspace,
       r.peak_gib - m.weights - m.gradients - m.optimizer - m.weight_casts - m.workspace,
       (long long)r.timed_gemm_plans, r.timed_gemm_plan_ms, r.allocations_per_step,
-      r.unfused.c_str(), r.attention.c_str(),
-      r.world_size, (long long)r.zero, r.masters_and_moments_max_gib);
+      r.unfused.c_str(), r.attention.c_str(), r.world_size, (long long)r.zero,
+      r.masters_and_moments_max_gib);
 }
 
 namespace {

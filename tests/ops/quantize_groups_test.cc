@@ -168,6 +168,8 @@ TEST_P(QuantizeGroups, CarvedTargetsGetWhatSeparateOnesGet) {
   std::vector<QuantizedTensor> carved = QuantizedTensor::allocate_groups(
       kGroupRows, kCols, DType::e4m3, p.mode, p.usage, p.backend);
   std::vector<Target> separate, in_carved;
+  separate.reserve(kGroupRows.size());  // the targets point into both
+  in_carved.reserve(kGroupRows.size());
   std::vector<ops::FusedQuantize> separate_targets(kGroupRows.size()),
       carved_targets(kGroupRows.size());
   for (size_t g = 0; g < kGroupRows.size(); ++g) {
@@ -176,12 +178,8 @@ TEST_P(QuantizeGroups, CarvedTargetsGetWhatSeparateOnesGet) {
                                                   p.usage, p.backend),
                         make_args(p, g, p.backend, column_start)});
     in_carved.push_back({std::move(carved[g]), make_args(p, g, p.backend, column_start)});
-  }
-  for (size_t g = 0, t = 0; g < kGroupRows.size(); ++g) {
-    if (kGroupRows[g] == 0) continue;
-    separate_targets[g] = {&separate[t].q, separate[t].args};
-    carved_targets[g] = {&in_carved[t].q, in_carved[t].args};
-    ++t;
+    separate_targets[g] = {&separate.back().q, separate.back().args};
+    carved_targets[g] = {&in_carved.back().q, in_carved.back().args};
   }
   ops::quantize_groups(x, offsets, separate_targets);
   ops::quantize_groups(x, offsets, carved_targets);
