@@ -62,15 +62,27 @@ Tensor Tensor::from_vector(const std::vector<float>& values, const Shape& shape)
 
 Tensor Tensor::adopt(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype) {
   OCTET_CHECK(storage != nullptr, "Tensor::adopt needs a storage");
+  Tensor t = view_of(storage, 0, shape, dtype);
+  OCTET_CHECK(t.nbytes() == storage->bytes(), "Tensor::adopt: shape ", shape_str(shape), " of ",
+              dtype_name(dtype), " needs ", t.nbytes(), " bytes, the storage holds ",
+              storage->bytes());
+  return t;
+}
+
+Tensor Tensor::view_of(std::shared_ptr<Storage> storage, size_t offset_bytes, const Shape& shape,
+                       DType dtype) {
+  OCTET_CHECK(storage != nullptr, "Tensor::view_of needs a storage");
   for (int64_t extent : shape)
     OCTET_CHECK(extent >= 0, "tensor extents must be non-negative, got shape ", shape_str(shape));
   Tensor t;
   t.shape_ = shape;
   t.dtype_ = dtype;
-  OCTET_CHECK(t.nbytes() == storage->bytes(), "Tensor::adopt: shape ", shape_str(shape), " of ",
-              dtype_name(dtype), " needs ", t.nbytes(), " bytes, the storage holds ",
-              storage->bytes());
+  OCTET_CHECK(offset_bytes % dtype_size(dtype) == 0 && offset_bytes <= storage->bytes() &&
+                  t.nbytes() <= storage->bytes() - offset_bytes,
+              "Tensor::view_of: ", t.nbytes(), " bytes of ", dtype_name(dtype), " at byte ",
+              offset_bytes, " do not fit, aligned, in a storage of ", storage->bytes());
   t.storage_ = std::move(storage);
+  t.offset_bytes_ = offset_bytes;
   return t;
 }
 

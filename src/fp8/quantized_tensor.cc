@@ -47,31 +47,36 @@ std::vector<QuantizedTensor> QuantizedTensor::allocate_groups(std::span<const in
                                                               const Device& device) {
   check_format(dtype, cols, usage);
   const DType sdt = scale_dtype(mode);
-  TensorCarver data(dtype, device, kGroupAlignment), data_t(dtype, device, kGroupAlignment),
-      scales(sdt, device, kGroupAlignment), scales_t(sdt, device, kGroupAlignment);
-  // per_tensor with both copies: one scale serves both.
+  for (int64_t r : rows)
+    OCTET_CHECK(r >= 0, "QuantizedTensor::allocate_groups: a group of ", r, " rows");
+  // Two allocations at most: the row-wise copies with their scales, the transposed copies with
+  // theirs, so that dropping the row-wise copies after a forward frees their memory. The one
+  // scale that per_tensor's copies share lives with the transposed copies, kept for the
+  // backward. Scales come first, so the data pieces follow one another to the end.
+  TensorCarver rowwise(device, kGroupAlignment), columnwise(device, kGroupAlignment);
   const bool shared_scale = mode == ScalingMode::per_tensor && usage.rowwise && usage.columnwise;
   std::vector<QuantizedTensor> groups(rows.size());
   for (size_t g = 0; g < rows.size(); ++g) {
-    const int64_t r = rows[g];
-    OCTET_CHECK(r >= 0, "QuantizedTensor::allocate_groups: a group of ", r, " rows");
-    if (r == 0) continue;
+    if (rows[g] == 0) continue;
     QuantizedTensor& q = groups[g];
     q.mode = mode;
     q.dtype = dtype;
-    q.rows = r;
+    q.rows = rows[g];
     q.cols = cols;
-    if (usage.rowwise) {
-      data.place({r, cols}, &q.data);
-      scales.place(scale_shape(mode, r, cols), &q.scale_inv,
-                   shared_scale ? &q.scale_inv_t : nullptr);
-    }
-    if (usage.columnwise) {
-      data_t.place({cols, r}, &q.data_t);
-      if (!shared_scale) scales_t.place(scale_shape(mode, cols, r), &q.scale_inv_t);
+    if (shared_scale) {
+      columnwise.place(scale_shape(mode, q.rows, cols), sdt, &q.scale_inv, &q.scale_inv_t);
+    } else {
+      if (usage.rowwise) rowwise.place(scale_shape(mode, q.rows, cols), sdt, &q.scale_inv);
+      if (usage.columnwise) columnwise.place(scale_shape(mode, cols, q.rows), sdt, &q.scale_inv_t);
     }
   }
-  for (TensorCarver* kind : {&data, &data_t, &scales, &scales_t}) kind->allocate();
+  for (QuantizedTensor& q : groups) {
+    if (q.rows == 0) continue;
+    if (usage.rowwise) rowwise.place({q.rows, cols}, dtype, &q.data);
+    if (usage.columnwise) columnwise.place({cols, q.rows}, dtype, &q.data_t);
+  }
+  rowwise.allocate();
+  columnwise.allocate();
   return groups;
 }
 

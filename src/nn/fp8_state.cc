@@ -179,8 +179,8 @@ void AmaxRegistry::finalize(Pass pass) {
     // allocation serves the bucket's states (a slice each): an MoE layer's experts are many
     // states, and an allocation each would cost host time on every step.
     if (pass == Pass::forward) {
-      TensorCarver next(DType::f32, b.device, sizeof(float));
-      for (ops::ScalingGroup& g : b.groups) next.place(g.scale.shape(), &g.next_scale);
+      TensorCarver next(b.device, sizeof(float));
+      for (ops::ScalingGroup& g : b.groups) next.place(g.scale.shape(), DType::f32, &g.next_scale);
       next.allocate();
     }
     ops::update_delayed_scaling(b.groups.data(), static_cast<int>(b.groups.size()), b.margin,

@@ -1,5 +1,7 @@
 #include "octet/nn/linear.h"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -37,14 +39,21 @@ bool per_tensor(const fp8::Recipe& recipe) {
   return recipe.kind == fp8::RecipeKind::delayed || recipe.kind == fp8::RecipeKind::current;
 }
 
-/// Current scaling: scale (f32[1]) = fp8_max / max|x| for the role's format.
-void current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
-                   const Tensor& scale) {
-  Tensor amax = Tensor::zeros({1}, DType::f32, x.device());
-  Tensor scale_inv = Tensor::empty({1}, DType::f32, x.device());
+/// Current scaling: scale = fp8_max / max|x| for the role's format, written into `scale` (f32[1])
+/// when given, else into a new one. Returns the scale. The amax and scale_inv it passes through
+/// share one allocation, with the new scale when it makes one: on a GPU every allocation costs
+/// host time, and current scaling does this for every cast.
+Tensor current_scale(const Tensor& x, const fp8::Recipe& recipe, TensorRole role,
+                     Tensor scale = Tensor()) {
+  const bool fresh = !scale.defined();
+  const Tensor scratch = Tensor::empty({fresh ? 3 : 2}, DType::f32, x.device());
+  Tensor amax = scratch.slice(0, 1);
+  if (fresh) scale = scratch.slice(2, 3);
+  amax.zero();
   ops::amax(x, amax);
-  ops::compute_current_scale(amax, scale, scale_inv, fp8::fp8_max(recipe.dtype_for(role)),
-                             recipe.power_of_2_scales);
+  ops::compute_current_scale(amax, scale, scratch.slice(1, 2),
+                             fp8::fp8_max(recipe.dtype_for(role)), recipe.power_of_2_scales);
+  return scale;
 }
 
 /// True when delayed scaling has no amax history yet for `pass` (a fresh state): instead of the
@@ -97,17 +106,17 @@ Tensor in_dtype(const Tensor& x, DType dtype) {
 /// writes its input's dtype, a dense one its compute dtype; an f32 layer never does.
 bool may_output_bf16(const WeightCast::Key& key) { return key.fp8 || key.dtype == DType::bf16; }
 
-/// Whether `t`'s memory has exactly `handles` handles (no view or copy of it lives elsewhere).
-bool only_handles(const Tensor& t, long handles = 1) {
-  return t.defined() && t.storage().use_count() == handles;
-}
+/// Whether `t`'s memory has no handle but `t` (no view or copy of it lives elsewhere).
+bool only_handle(const Tensor& t) { return t.defined() && t.storage().use_count() == 1; }
 
-/// Whether q's own tensors are the only handles on their memory. The per-tensor transposed copy
-/// shares the row-wise copy's scale: two handles on one memory.
+/// Whether q's own tensors are the only handles on their memory. They share it among themselves:
+/// each copy's allocation holds its scales too, and per_tensor's copies share one scale.
 bool only_handles(const fp8::QuantizedTensor& q) {
-  const long scale_handles = q.scale_inv_t.storage() == q.scale_inv.storage() ? 2 : 1;
-  return only_handles(q.data) && only_handles(q.data_t) &&
-         only_handles(q.scale_inv, scale_handles) && only_handles(q.scale_inv_t, scale_handles);
+  const std::array<const Tensor*, 4> parts{&q.data, &q.data_t, &q.scale_inv, &q.scale_inv_t};
+  return std::ranges::all_of(parts, [&](const Tensor* t) {
+    const auto same_memory = [&](const Tensor* u) { return u->storage() == t->storage(); };
+    return t->defined() && t->storage().use_count() == std::ranges::count_if(parts, same_memory);
+  });
 }
 
 /// The [rows, cols] training cast of `role` under `recipe` (both copies, on `device`): `given`
@@ -238,8 +247,7 @@ std::shared_ptr<const WeightCast> Linear::weight_cast(const WeightCast::Key& key
       if (!inference && first_delayed_pass(state_.get(), Pass::forward))
         current_scale(weight_, *recipe, TensorRole::weight, scale);
     } else if (recipe->kind == fp8::RecipeKind::current) {
-      scale = Tensor::empty({1}, DType::f32, device_);
-      current_scale(weight_, *recipe, TensorRole::weight, scale);
+      scale = current_scale(weight_, *recipe, TensorRole::weight);
     }
     cast->q = quantize_for(weight_, *recipe, TensorRole::weight, scale,
                            inference ? Tensor() : state_->amax_slot(TensorRole::weight));
@@ -285,9 +293,9 @@ const Linear::NextCast& Linear::prepare_next_cast() {
   cast->key = key;
   const fp8::QuantizedTensor old_q =
       sole_cast && only_handles(current->q) ? current->q : fp8::QuantizedTensor{};
-  const Tensor old_dense = sole_cast && only_handles(current->dense) ? current->dense : Tensor();
+  const Tensor old_dense = sole_cast && only_handle(current->dense) ? current->dense : Tensor();
   const Tensor old_bias =
-      sole_cast && only_handles(current->bias_bf16) ? current->bias_bf16 : Tensor();
+      sole_cast && only_handle(current->bias_bf16) ? current->bias_bf16 : Tensor();
   current.reset();
   if (key.fp8) {
     if (state_ == nullptr || !optimizer_writes_cast(key)) return next_targets_;
@@ -574,8 +582,7 @@ void Linear::backward_fp8(const Tensor& dy, const Tensor& dx, const Saved& saved
     if (first_delayed_pass(state_.get(), Pass::backward))
       current_scale(dy, recipe, TensorRole::grad_output, scale);
   } else if (recipe.kind == fp8::RecipeKind::current) {
-    scale = Tensor::empty({1}, DType::f32, device_);
-    current_scale(dy, recipe, TensorRole::grad_output, scale);
+    scale = current_scale(dy, recipe, TensorRole::grad_output);
   }
   // The bias gradient rides on the cast (Fusion::bias_grad), or is summed by its own pass.
   const bool fused_bias = grad_bias_.defined() && fusion_enabled(Fusion::bias_grad);

@@ -1,6 +1,6 @@
-// TensorCarver: the placed pieces view one allocation, each at its alignment, none overlapping;
-// a second target views the same piece; nothing placed allocates nothing; a bad alignment is
-// refused by name.
+// TensorCarver: the placed pieces, of mixed dtypes, view one allocation, each at its alignment,
+// none overlapping; a second target views the same piece; nothing placed allocates nothing; a bad
+// alignment is refused by name.
 #include "octet/core/carve.h"
 
 #include <gmock/gmock.h>
@@ -25,19 +25,21 @@ uintptr_t offset_in_allocation(const Tensor& t) {
 TEST(TensorCarver, PiecesShareOneAllocationAlignedAndApart) {
   const Device cpu = Device::cpu();
   Tensor a, b, b_also, c;
-  TensorCarver carver(DType::f32, cpu, 64);
-  carver.place({3, 5}, &a);
-  carver.place({1}, &b, &b_also);
-  carver.place({2, 2, 2}, &c);
+  TensorCarver carver(cpu, 64);
+  carver.place({3, 5}, DType::f32, &a);
+  carver.place({1}, DType::u8, &b, &b_also);
+  carver.place({2, 2, 2}, DType::bf16, &c);
   const uint64_t before = device_allocations(cpu);
   carver.allocate();
   EXPECT_EQ(device_allocations(cpu), before + 1) << "one allocation for every piece";
   EXPECT_EQ(a.shape(), (Shape{3, 5}));
   EXPECT_EQ(c.shape(), (Shape{2, 2, 2}));
   EXPECT_EQ(a.dtype(), DType::f32);
+  EXPECT_EQ(b.dtype(), DType::u8);
+  EXPECT_EQ(c.dtype(), DType::bf16);
   EXPECT_EQ(a.storage(), c.storage());
   EXPECT_EQ(b.raw_data(), b_also.raw_data());
-  // Offsets 0, 64 (after 60 bytes) and 128 (after 4 more): aligned, in order, apart.
+  // Offsets 0, 64 (after 60 bytes) and 128 (after 1 more): aligned, in order, apart.
   EXPECT_EQ(offset_in_allocation(a), 0u);
   EXPECT_EQ(offset_in_allocation(b), 64u);
   EXPECT_EQ(offset_in_allocation(c), 128u);
@@ -46,14 +48,15 @@ TEST(TensorCarver, PiecesShareOneAllocationAlignedAndApart) {
 
 TEST(TensorCarver, NothingPlacedAllocatesNothingAndBadAlignmentsAreRefused) {
   const Device cpu = Device::cpu();
-  TensorCarver empty(DType::f32, cpu, 256);
+  TensorCarver empty(cpu, 256);
   const uint64_t before = device_allocations(cpu);
   empty.allocate();
   EXPECT_EQ(device_allocations(cpu), before);
-  EXPECT_THAT(error_of([&] { TensorCarver(DType::f32, cpu, 6); }),
-              HasSubstr("an alignment of 6 bytes is not a positive multiple of f32's 4"));
-  EXPECT_THAT(error_of([&] { TensorCarver(DType::bf16, cpu, 0); }),
-              HasSubstr("an alignment of 0 bytes"));
+  Tensor t;
+  EXPECT_THAT(error_of([&] { TensorCarver(cpu, 6).place({2}, DType::f32, &t); }),
+              HasSubstr("an alignment of 6 bytes is not a multiple of f32's 4"));
+  EXPECT_THAT(error_of([&] { TensorCarver(cpu, 0); }),
+              HasSubstr("an alignment of 0 bytes is not positive"));
 }
 
 }  // namespace

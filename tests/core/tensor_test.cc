@@ -106,6 +106,23 @@ TEST(Tensor, SliceOutOfRange) {
               HasSubstr("slice of a scalar tensor"));
 }
 
+TEST(Tensor, ViewOfTypesBytesAtAnOffsetInsideTheStorage) {
+  const Tensor bytes = Tensor::from_vector({1.0f, 2.0f, 3.0f, 4.0f}, {4});  // 16 bytes
+  const Tensor tail = Tensor::view_of(bytes.storage(), 8, {2}, DType::f32);
+  EXPECT_EQ(tail.storage(), bytes.storage());
+  EXPECT_EQ(tail.data<float>()[0], 3.0f);
+  EXPECT_EQ(Tensor::view_of(bytes.storage(), 2, {7}, DType::bf16).nbytes(), 14u);
+  EXPECT_EQ(Tensor::view_of(bytes.storage(), 16, {0}, DType::f32).numel(), 0);
+  EXPECT_THAT(error_of([&] { Tensor::view_of(bytes.storage(), 12, {2}, DType::f32); }),
+              HasSubstr("8 bytes of f32 at byte 12 do not fit, aligned, in a storage of 16"));
+  EXPECT_THAT(error_of([&] { Tensor::view_of(bytes.storage(), 2, {1}, DType::f32); }),
+              HasSubstr("at byte 2 do not fit, aligned"));
+  EXPECT_THAT(error_of([&] { Tensor::view_of(bytes.storage(), 20, {0}, DType::u8); }),
+              HasSubstr("at byte 20 do not fit"));
+  EXPECT_THAT(error_of([&] { Tensor::view_of(nullptr, 0, {1}, DType::u8); }),
+              HasSubstr("needs a storage"));
+}
+
 TEST(Tensor, UndefinedTensorMisuse) {
   Tensor t;
   EXPECT_FALSE(t.defined());

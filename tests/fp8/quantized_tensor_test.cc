@@ -1,6 +1,7 @@
 // QuantizedTensor's buffers: allocate() gives the shapes and scale layouts each scaling mode
 // documents; allocate_groups() carves the same buffers for many groups out of one allocation per
-// kind (row-wise data, transposed data, their scales), each piece aligned and none overlapping.
+// copy (the row-wise copies with their scales, the transposed ones with theirs), each piece
+// aligned, none overlapping, the scales before the data.
 #include "octet/fp8/quantized_tensor.h"
 
 #include <gmock/gmock.h>
@@ -8,9 +9,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "octet/core/allocator.h"
 #include "ops/op_check.h"
 #include "test_util.h"
 
@@ -41,14 +44,20 @@ struct CarveCase {
 
 class AllocateGroups : public ::testing::TestWithParam<CarveCase> {};
 
-TEST_P(AllocateGroups, EachGroupIsWhatAllocateGivesCarvedFromOneBufferPerKind) {
+TEST_P(AllocateGroups, EachGroupIsWhatAllocateGivesCarvedFromOneBufferPerCopy) {
   const auto [mode, usage] = GetParam();
   const Device cpu = Device::cpu();
+  const uint64_t allocations_before = device_allocations(cpu);
   const std::vector<QuantizedTensor> groups =
       QuantizedTensor::allocate_groups(kGroupRows, kCols, DType::e5m2, mode, usage, cpu);
+  EXPECT_EQ(device_allocations(cpu) - allocations_before,
+            (usage.rowwise ? 1u : 0u) + (usage.columnwise ? 1u : 0u))
+      << "one allocation per copy";
   ASSERT_EQ(groups.size(), kGroupRows.size());
-  const bool shared_scale = mode == ScalingMode::per_tensor && usage.rowwise;
+  const bool shared_scale = mode == ScalingMode::per_tensor && usage.rowwise && usage.columnwise;
   std::vector<std::pair<uintptr_t, uintptr_t>> ranges;  // [begin, end) of every distinct piece
+  // Per allocation, where its scales end and its data begin.
+  std::map<const Storage*, std::pair<uintptr_t, uintptr_t>> scales_end_data_begin;
   const QuantizedTensor* first = nullptr;
   for (size_t g = 0; g < groups.size(); ++g) {
     SCOPED_TRACE(::testing::Message() << "group " << g << " of " << kGroupRows[g] << " rows");
@@ -79,16 +88,28 @@ TEST_P(AllocateGroups, EachGroupIsWhatAllocateGivesCarvedFromOneBufferPerKind) {
         continue;
       }
       ranges.emplace_back(address(*got[k]), address(*got[k]) + got[k]->nbytes());
+      auto [it, fresh] = scales_end_data_begin.try_emplace(got[k]->storage().get(), 0, UINTPTR_MAX);
+      const bool is_data = k % 2 == 0;
+      if (is_data) it->second.second = std::min(it->second.second, ranges.back().first);
+      if (!is_data) it->second.first = std::max(it->second.first, ranges.back().second);
     }
-    // One allocation per kind: every group's piece of a kind shares the first group's memory.
+    // One allocation per copy: every group's pieces of a copy share the first group's memory, and
+    // each copy's scales live with it (per_tensor's shared one with the transposed copy).
     if (first == nullptr) first = &q;
-    for (size_t k = 0; k < got.size(); ++k) {
-      if (got[k]->defined()) EXPECT_EQ(got[k]->storage(), pieces(*first)[k]->storage());
+    if (usage.rowwise) EXPECT_EQ(q.data.storage(), first->data.storage());
+    if (usage.columnwise) EXPECT_EQ(q.data_t.storage(), first->data_t.storage());
+    if (usage.rowwise) {
+      EXPECT_EQ(q.scale_inv.storage(), shared_scale ? q.data_t.storage() : q.data.storage());
     }
+    if (usage.columnwise) EXPECT_EQ(q.scale_inv_t.storage(), q.data_t.storage());
     if (usage.rowwise && usage.columnwise) {
       EXPECT_NE(q.data.storage(), q.data_t.storage())
           << "the row-wise copies must be freeable apart from the transposed ones";
     }
+  }
+  for (const auto& [storage, bounds] : scales_end_data_begin) {
+    EXPECT_LE(bounds.first, bounds.second)
+        << "the scales come first, so a data piece is followed only by data";
   }
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {

@@ -1,4 +1,4 @@
-// TensorCarver: many tensors of one dtype viewing one allocation.
+// TensorCarver: many tensors, of any dtypes, viewing one allocation.
 #pragma once
 
 #include <cstdint>
@@ -8,32 +8,34 @@
 
 namespace octet {
 
-/// Tensors of one dtype carved from one allocation: place() each piece (its shape and the tensors
-/// that will view it), then allocate() once. On a GPU every allocation costs host time (a
+/// Tensors carved from one allocation: place() each piece (its shape, dtype and the tensors that
+/// will view it), then allocate() once. On a GPU every allocation costs host time (a
 /// cudaMallocAsync, later a cudaFreeAsync), so tensors made together, used together and dropped
-/// together (an MoE layer's per-expert casts, the FP8 states' new scales) share one. The memory
-/// is freed when the last view of any piece is dropped.
+/// together (an FP8 copy and its scales, an MoE layer's per-expert casts, the FP8 states' new
+/// scales) share one. The memory is freed when the last view of any piece is dropped.
 class TensorCarver {
  public:
-  /// `alignment`: the bytes each piece's start is aligned to within the allocation (a positive
-  /// multiple of the dtype's size; the allocation itself is at least as aligned on a GPU).
-  TensorCarver(DType dtype, const Device& device, int64_t alignment);
-  /// Reserves a piece of `shape`; allocate() makes `view`, and `also` when given, view it.
-  void place(const Shape& shape, Tensor* view, Tensor* also = nullptr);
+  /// `alignment`: the bytes each piece's start is aligned to within the allocation (positive, and
+  /// a multiple of every placed dtype's size; the allocation itself is at least as aligned on a
+  /// GPU).
+  TensorCarver(const Device& device, int64_t alignment);
+  /// Reserves a piece of `shape` x `dtype`, after the pieces placed before it; allocate() makes
+  /// `view`, and `also` when given, view it.
+  void place(const Shape& shape, DType dtype, Tensor* view, Tensor* also = nullptr);
   /// Makes the one allocation (none when nothing was placed) and sets every placed view.
   void allocate();
 
  private:
   struct Piece {
-    int64_t offset;  ///< in elements
+    int64_t offset;  ///< in bytes
     Shape shape;
+    DType dtype;
     Tensor* view;
     Tensor* also;
   };
-  DType dtype_;
   Device device_;
-  int64_t alignment_elements_;
-  int64_t end_ = 0;  ///< elements
+  int64_t alignment_;
+  int64_t end_ = 0;  ///< bytes
   std::vector<Piece> pieces_;
 };
 

@@ -55,6 +55,10 @@ class Tensor {
   /// A tensor over all of `storage` (which must hold exactly shape x dtype bytes), e.g. external
   /// memory that the C API wraps without a copy.
   static Tensor adopt(std::shared_ptr<Storage> storage, const Shape& shape, DType dtype);
+  /// A tensor of `shape` x `dtype` over `storage`'s bytes from `offset_bytes` (inside the storage
+  /// and a multiple of the element size), e.g. one piece of a TensorCarver's allocation.
+  static Tensor view_of(std::shared_ptr<Storage> storage, size_t offset_bytes, const Shape& shape,
+                        DType dtype);
 
   bool defined() const { return storage_ != nullptr; }
   const Shape& shape() const { return shape_; }

@@ -53,15 +53,16 @@ struct QuantizedTensor {
   Tensor data_t;       ///< [cols, rows] FP8, or undefined without columnwise usage
   Tensor scale_inv_t;  ///< scales of data_t, laid out for the [cols, rows] matrix
 
-  /// Allocates the buffers (contents undefined) for a [rows, cols] matrix on `device`.
+  /// Allocates the buffers (contents undefined) for a [rows, cols] matrix on `device`: one
+  /// allocation for the row-wise copy and its scales, one for the transposed copy and its (with
+  /// the scale per_tensor's copies share), as a GPU allocation costs host time.
   static QuantizedTensor allocate(int64_t rows, int64_t cols, DType dtype, ScalingMode mode,
                                   Usage usage, const Device& device);
-  /// allocate() for a [rows[g], cols] matrix per group g, carved from one allocation per kind of
-  /// buffer (row-wise data, transposed data, their scales) instead of one per group and kind: the
-  /// experts of an MoE layer cast their rows every step, and on a GPU each allocation costs host
-  /// time. Every piece starts kGroupAlignment-aligned, as a fresh allocation would. A group of 0
-  /// rows gets an empty QuantizedTensor. The groups share memory: it is freed once every group
-  /// has dropped that kind of buffer (the row-wise copies of all experts, for instance).
+  /// allocate() for a [rows[g], cols] matrix per group g, carved from the same two allocations
+  /// instead of two per group: the experts of an MoE layer cast their rows every step. Every
+  /// piece starts kGroupAlignment-aligned, as a fresh allocation would. A group of 0 rows gets
+  /// an empty QuantizedTensor. The groups share memory: it is freed once every group has dropped
+  /// that kind of copy (the row-wise copies of all experts, for instance).
   static std::vector<QuantizedTensor> allocate_groups(std::span<const int64_t> rows, int64_t cols,
                                                       DType dtype, ScalingMode mode, Usage usage,
                                                       const Device& device);
