@@ -4,6 +4,7 @@
 
 #include <string>
 
+#include "octet/core/carve.h"
 #include "ops/dispatch.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_math.h"
@@ -156,14 +157,18 @@ int64_t moe_activation_input_cols(MoeActivation act, int64_t f) {
 
 RouterOutputs RouterOutputs::allocate(int64_t tokens, int64_t experts, int64_t topk,
                                       const Device& device) {
+  // One allocation for all seven: they are made, kept and dropped together, once per MoE layer
+  // and forward, and on a GPU each allocation costs host time.
   RouterOutputs out;
-  out.expert = Tensor::empty({tokens, topk}, DType::i32, device);
-  out.prob = Tensor::empty({tokens, topk}, DType::f32, device);
-  out.counts = Tensor::empty({experts}, DType::i32, device);
-  out.scores = Tensor::empty({tokens, experts}, DType::f32, device);
-  out.lse = Tensor::empty({tokens}, DType::f32, device);
-  out.aux_loss = Tensor::empty({1}, DType::f32, device);
-  out.z_loss = Tensor::empty({1}, DType::f32, device);
+  TensorCarver carver(device);
+  carver.place({tokens, topk}, DType::i32, &out.expert);
+  carver.place({tokens, topk}, DType::f32, &out.prob);
+  carver.place({experts}, DType::i32, &out.counts);
+  carver.place({tokens, experts}, DType::f32, &out.scores);
+  carver.place({tokens}, DType::f32, &out.lse);
+  carver.place({1}, DType::f32, &out.aux_loss);
+  carver.place({1}, DType::f32, &out.z_loss);
+  carver.allocate();
   return out;
 }
 
@@ -173,10 +178,12 @@ int64_t moe_capacity(int64_t tokens, int64_t topk, int64_t experts) {
 }
 
 MoePlan MoePlan::allocate(int64_t tokens, int64_t topk, int64_t experts, const Device& device) {
-  MoePlan plan;
-  plan.offsets = Tensor::empty({experts + 1}, DType::i32, device);
-  plan.row_map = Tensor::empty({moe_capacity(tokens, topk, experts), 2}, DType::i32, device);
-  plan.slot_row = Tensor::empty({tokens, topk}, DType::i32, device);
+  MoePlan plan;  // one allocation, as RouterOutputs::allocate
+  TensorCarver carver(device);
+  carver.place({experts + 1}, DType::i32, &plan.offsets);
+  carver.place({moe_capacity(tokens, topk, experts), 2}, DType::i32, &plan.row_map);
+  carver.place({tokens, topk}, DType::i32, &plan.slot_row);
+  carver.allocate();
   return plan;
 }
 

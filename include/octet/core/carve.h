@@ -8,6 +8,10 @@
 
 namespace octet {
 
+/// The byte alignment of a fresh device allocation (cudaMalloc's), which cuBLASLt and the
+/// kernels' vector loads may assume of a tensor's start: TensorCarver's default for its pieces.
+inline constexpr int64_t kAllocationAlignment = 256;
+
 /// Tensors carved from one allocation: place() each piece (its shape, dtype and the tensors that
 /// will view it), then allocate() once. On a GPU every allocation costs host time (a
 /// cudaMallocAsync, later a cudaFreeAsync), so tensors made together, used together and dropped
@@ -18,7 +22,7 @@ class TensorCarver {
   /// `alignment`: the bytes each piece's start is aligned to within the allocation (positive, and
   /// a multiple of every placed dtype's size; the allocation itself is at least as aligned on a
   /// GPU).
-  TensorCarver(const Device& device, int64_t alignment);
+  explicit TensorCarver(const Device& device, int64_t alignment = kAllocationAlignment);
   /// Reserves a piece of `shape` x `dtype`, after the pieces placed before it; allocate() makes
   /// `view`, and `also` when given, view it.
   void place(const Shape& shape, DType dtype, Tensor* view, Tensor* also = nullptr);

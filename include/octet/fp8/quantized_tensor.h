@@ -6,6 +6,7 @@
 #include <string_view>
 #include <vector>
 
+#include "octet/core/carve.h"
 #include "octet/core/tensor.h"
 
 namespace octet::fp8 {
@@ -68,7 +69,7 @@ struct QuantizedTensor {
                                                       const Device& device);
   /// Byte alignment of every piece that allocate_groups() carves (what cuBLASLt and the vector
   /// loads of the cast kernels want, and at least what the device allocator gives).
-  static constexpr int64_t kGroupAlignment = 256;
+  static constexpr int64_t kGroupAlignment = kAllocationAlignment;
   bool has_rowwise() const { return data.defined(); }
   bool has_columnwise() const { return data_t.defined(); }
   const Device& device() const;
