@@ -36,8 +36,8 @@ class DeferredGemms {
 bool has_rows(std::span<const int64_t> offsets, size_t g) { return offsets[g + 1] > offsets[g]; }
 
 /// The experts' FP8 casts of `role` under `recipe`, [rows[g], cols] each with both copies (none
-/// where rows[g] is 0), carved from one allocation per copy: per-expert allocations
-/// cost the FP8 MoE step host time on every pass.
+/// where rows[g] is 0), carved from one allocation per copy: per-expert allocations cost the FP8
+/// MoE step host time on every pass.
 std::vector<fp8::QuantizedTensor> expert_casts(std::span<const int64_t> rows, int64_t cols,
                                                const fp8::Recipe& recipe, fp8::TensorRole role,
                                                const Device& device) {
