@@ -46,7 +46,7 @@ std::vector<QuantizedTensor> QuantizedTensor::allocate_groups(std::span<const in
                                                               ScalingMode mode, Usage usage,
                                                               const Device& device) {
   check_format(dtype, cols, usage);
-  const DType sdt = scale_dtype(mode);
+  const DType scale_type = scale_dtype(mode);
   for (int64_t r : rows)
     OCTET_CHECK(r >= 0, "QuantizedTensor::allocate_groups: a group of ", r, " rows");
   // Two allocations at most: the row-wise copies with their scales, the transposed copies with
@@ -64,10 +64,12 @@ std::vector<QuantizedTensor> QuantizedTensor::allocate_groups(std::span<const in
     q.rows = rows[g];
     q.cols = cols;
     if (shared_scale) {
-      columnwise.place(scale_shape(mode, q.rows, cols), sdt, &q.scale_inv, &q.scale_inv_t);
+      columnwise.place(scale_shape(mode, q.rows, cols), scale_type, &q.scale_inv, &q.scale_inv_t);
     } else {
-      if (usage.rowwise) rowwise.place(scale_shape(mode, q.rows, cols), sdt, &q.scale_inv);
-      if (usage.columnwise) columnwise.place(scale_shape(mode, cols, q.rows), sdt, &q.scale_inv_t);
+      if (usage.rowwise) rowwise.place(scale_shape(mode, q.rows, cols), scale_type, &q.scale_inv);
+      if (usage.columnwise) {
+        columnwise.place(scale_shape(mode, cols, q.rows), scale_type, &q.scale_inv_t);
+      }
     }
   }
   for (QuantizedTensor& q : groups) {

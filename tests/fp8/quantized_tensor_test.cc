@@ -88,10 +88,13 @@ TEST_P(AllocateGroups, EachGroupIsWhatAllocateGivesCarvedFromOneBufferPerCopy) {
         continue;
       }
       ranges.emplace_back(address(*got[k]), address(*got[k]) + got[k]->nbytes());
-      auto [it, fresh] = scales_end_data_begin.try_emplace(got[k]->storage().get(), 0, UINTPTR_MAX);
-      const bool is_data = k % 2 == 0;
-      if (is_data) it->second.second = std::min(it->second.second, ranges.back().first);
-      if (!is_data) it->second.first = std::max(it->second.first, ranges.back().second);
+      auto& [scales_end, data_begin] =
+          scales_end_data_begin.try_emplace(got[k]->storage().get(), 0, UINTPTR_MAX).first->second;
+      if (k % 2 == 0) {  // data and data_t
+        data_begin = std::min(data_begin, ranges.back().first);
+      } else {
+        scales_end = std::max(scales_end, ranges.back().second);
+      }
     }
     // One allocation per copy: every group's pieces of a copy share the first group's memory, and
     // each copy's scales live with it (per_tensor's shared one with the transposed copy).
