@@ -36,9 +36,9 @@ std::atomic<uint64_t>& allocations_of(const Device& device) {
 }
 
 /// Host blocks this large are aligned to, and sized in, transparent huge pages (2 MiB on x86-64
-/// and on 4 KiB-page arm64) and asked to be backed by them. glibc maps such blocks fresh on every
-/// allocation, and with 4 KiB pages the first touch of each page is a fault: a 512 MiB tensor
-/// takes 131,072 of them, where huge pages take 256.
+/// and on 4 KiB-page arm64) and asked to be backed by them. glibc maps blocks above its mmap
+/// threshold fresh on every allocation, and with 4 KiB pages the first touch of each page is a
+/// fault: a 512 MiB tensor takes 131,072 of them, where huge pages take 256.
 constexpr size_t kHugePageBytes = size_t{2} << 20;
 
 /// A host block of `bytes` (kHostAlignment-aligned; huge-page backed when large).
@@ -78,11 +78,11 @@ void* device_alloc(size_t bytes, const Device& device) {
     cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
     cudaMemGetInfo(&free_bytes, &total_bytes);
-    throw OutOfMemoryError(
-        __FILE__, __LINE__,
-        detail::concat("out of GPU memory on ", device, ": needed ", bytes, " bytes (",
-                       bytes / (1 << 20), " MiB) more with ", free_bytes / (1 << 20),
-                       " MiB free of ", total_bytes / (1 << 20), " MiB"));
+    throw OutOfMemoryError(__FILE__, __LINE__,
+                           detail::concat("out of GPU memory on ", device, ": needed ", bytes,
+                                          " bytes (", bytes / (1 << 20), " MiB) more with ",
+                                          free_bytes / (1 << 20), " MiB free of ",
+                                          total_bytes / (1 << 20), " MiB"));
   }
   return ptr;
 #else
