@@ -35,18 +35,14 @@ std::atomic<uint64_t>& allocations_of(const Device& device) {
   return g_allocations[std::min(slot, kCountedDevices - 1)];
 }
 
-/// Host blocks this large are aligned to, and sized in, transparent huge pages (2 MiB on x86-64
-/// and on 4 KiB-page arm64) and asked to be backed by them. glibc maps blocks above its mmap
-/// threshold fresh on every allocation, and with 4 KiB pages the first touch of each page is a
-/// fault: a 512 MiB tensor takes 131,072 of them, where huge pages take 256.
-constexpr size_t kHugePageBytes = size_t{2} << 20;
-
-/// A host block of `bytes` (kHostAlignment-aligned; huge-page backed when large).
+/// A host block of `bytes` (kHostAlignment-aligned; huge-page backed when large). glibc maps
+/// blocks above its mmap threshold fresh on every allocation, and with 4 KiB pages the first touch
+/// of each page is a fault: a 512 MiB tensor takes 131,072 of them, where huge pages take 256.
 void* host_alloc(size_t bytes) {
-  if (bytes < kHugePageBytes)
+  if (bytes < kHostHugePageBytes)
     return std::aligned_alloc(kHostAlignment, round_up(bytes, kHostAlignment));
-  const size_t size = round_up(bytes, kHugePageBytes);
-  void* ptr = std::aligned_alloc(kHugePageBytes, size);
+  const size_t size = round_up(bytes, kHostHugePageBytes);
+  void* ptr = std::aligned_alloc(kHostHugePageBytes, size);
   // Advice only: where transparent huge pages are off, the block keeps 4 KiB pages.
   if (ptr != nullptr) madvise(ptr, size, MADV_HUGEPAGE);
   return ptr;

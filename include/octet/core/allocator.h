@@ -11,6 +11,9 @@ namespace octet {
 /// Host allocations are aligned to this many bytes (one cache line; also wide enough for AVX-512
 /// loads and for cudaMemcpy fast paths).
 inline constexpr size_t kHostAlignment = 64;
+/// Host blocks of at least this many bytes start on, and are sized in, transparent huge pages
+/// (2 MiB on x86-64 and on 4 KiB-page arm64), and are advised to be backed by them.
+inline constexpr size_t kHostHugePageBytes = size_t{2} << 20;
 
 /// Allocates `bytes` on `device`. CUDA memory comes from the device's default memory pool
 /// (cudaMallocAsync on octet's stream for that device), so freed blocks are reused without a
