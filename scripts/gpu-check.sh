@@ -45,12 +45,13 @@
 #                        call with the build (about 370 s of tests after a 150 s build): run
 #                        `TEST_SHARDS=2 TEST_SHARD=0 scripts/gpu-check.sh build test`, then
 #                        `TEST_SHARDS=2 TEST_SHARD=1 scripts/gpu-check.sh test` on the warm machine
-#   TEST_JOBS            test processes sharing the GPU at once (default 2), each a gtest shard of
+#   TEST_JOBS            test processes sharing the GPU at once (default 3), each a gtest shard of
 #                        the call's shard, the host's cores split between them; the tests' CPU
-#                        references then run in parallel. On the H200 (2026-12-03) two ran the
-#                        whole suite in 237 s (2831 passed), one process in about 390 s, so the
-#                        build and the suite fit one call. A test that fails only with
-#                        TEST_JOBS > 1 depends on having the GPU to itself: a defect to fix
+#                        references then run in parallel. One process takes over 6 minutes for
+#                        the suite, two about 4, three under 3 (docs/PERFORMANCE.md, "The
+#                        thirty-fifth session"), so the build and the suite fit one call. A test
+#                        that fails only with TEST_JOBS > 1 depends on having the GPU to itself:
+#                        a defect to fix
 #   SANITIZER_TIMEOUT    seconds per sanitizer tool but racecheck (default 180; memcheck, synccheck
 #                        and initcheck took about 40 s each over scripts/sanitizer-filter.txt)
 #   RACECHECK_TIMEOUT    seconds for racecheck (default 360: over the same filter it took 126 s on
@@ -166,7 +167,7 @@ stage_build() {
 
 # ------------------------------------------------------------------------------------------------
 stage_test() {
-  local start rc=0 jobs="${TEST_JOBS:-2}" shards="${TEST_SHARDS:-1}" index="${TEST_SHARD:-0}" j
+  local start rc=0 jobs="${TEST_JOBS:-3}" shards="${TEST_SHARDS:-1}" index="${TEST_SHARD:-0}" j
   start=$(now)
   if [[ ! -x "$TESTS_BIN" ]]; then
     fail test "no $TESTS_BIN (build failed?)"
