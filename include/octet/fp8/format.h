@@ -46,46 +46,48 @@ OCTET_HD float bits_float(uint32_t bits) {
 }
 
 /// Rounds |x| (as float bits) to a floating format with `mantissa_bits` explicit mantissa bits and
-/// exponent bias `bias`, round-to-nearest-even, for values already known to be in range.
-/// Returns exponent and mantissa fields (no sign).
+/// exponent bias `bias`, round-to-nearest-even, for values already known to be in range (above
+/// half the smallest subnormal, at most the largest finite value's rounding limit). Returns the
+/// exponent and mantissa fields (no sign). Both results are computed and one is selected: the
+/// CPU's quantize loops see data that takes either side at random, and a branch here mispredicts.
 OCTET_HD uint32_t round_to_minifloat(uint32_t abs_bits, int mantissa_bits, int bias) {
-  const int exponent = static_cast<int>(abs_bits >> 23) - 127 + bias;  // target biased exponent
-  uint32_t significand = (abs_bits & 0x7FFFFFu) | 0x800000u;            // implicit bit made explicit
-  int drop = 23 - mantissa_bits;                                         // bits rounded off
-  uint32_t result;
-  if (exponent >= 1) {
-    result = (static_cast<uint32_t>(exponent) << mantissa_bits) |
-             ((significand >> drop) & ((1u << mantissa_bits) - 1u));
-  } else {
-    drop += 1 - exponent;  // subnormal target: shift the implicit bit into the mantissa field
-    result = significand >> drop;
-  }
-  const uint32_t remainder = significand & ((1u << drop) - 1u);
-  const uint32_t half = 1u << (drop - 1);
-  if (remainder > half || (remainder == half && (result & 1u))) ++result;  // carries into exponent
-  return result;
+  // A normal result: the exponent rebiased, `drop` bits rounded off to nearest even; a carry out
+  // of the mantissa moves into the exponent, as it should.
+  const int drop = 23 - mantissa_bits;
+  const uint32_t rebiased = abs_bits - (static_cast<uint32_t>(127 - bias) << 23);
+  const uint32_t normal = (rebiased + (1u << (drop - 1)) - 1u + ((abs_bits >> drop) & 1u)) >> drop;
+  // A subnormal result counts units of the smallest subnormal, 2^(1 - bias - mantissa_bits).
+  // Scaling by the unit's inverse is exact, and adding 2^23 makes the float adder (in its default
+  // mode, to nearest even) round the count to an integer in the sum's low mantissa bits. A count of 2^mantissa_bits is
+  // the smallest normal's encoding.
+  const float per_unit = bits_float(static_cast<uint32_t>(127 + bias - 1 + mantissa_bits) << 23);
+  const float units = bits_float(abs_bits) * per_unit + 8388608.0f;
+  const uint32_t subnormal = float_bits(units) - float_bits(8388608.0f);
+  const uint32_t smallest_normal = static_cast<uint32_t>(127 + 1 - bias) << 23;
+  return abs_bits < smallest_normal ? subnormal : normal;
 }
 
-/// float -> E4M3, round-to-nearest-even, saturating to ±448; NaN -> 0x7F.
+/// float -> E4M3, round-to-nearest-even, saturating to ±448; NaN -> 0x7F. Selects, not early
+/// returns, for the same reason as round_to_minifloat.
 OCTET_HD uint8_t encode_e4m3(float x) {
   const uint32_t bits = float_bits(x);
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  if (abs_bits > 0x7F800000u) return 0x7F;        // NaN, canonical positive as CUDA does
-  if (abs_bits <= 0x3A800000u) return sign;       // |x| <= 2^-10 (half the smallest subnormal)
-  if (abs_bits > 0x43E80000u) return sign | 0x7E; // |x| > 464 (448 + half an ulp): saturate
-  return sign | static_cast<uint8_t>(round_to_minifloat(abs_bits, 3, 7));
+  uint32_t code = round_to_minifloat(abs_bits, 3, 7);
+  code = abs_bits > 0x43E80000u ? 0x7Eu : code;  // |x| > 464 (448 + half an ulp): saturate
+  code = abs_bits <= 0x3A800000u ? 0u : code;    // |x| <= 2^-10 (half the smallest subnormal)
+  code |= (bits >> 24) & 0x80u;
+  return static_cast<uint8_t>(abs_bits > 0x7F800000u ? 0x7Fu : code);  // NaN: canonical positive, as CUDA
 }
 
 /// float -> E5M2, round-to-nearest-even, saturating to ±57344; NaN -> 0x7F.
 OCTET_HD uint8_t encode_e5m2(float x) {
   const uint32_t bits = float_bits(x);
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  if (abs_bits > 0x7F800000u) return 0x7F;         // NaN
-  if (abs_bits <= 0x37000000u) return sign;        // |x| <= 2^-17
-  if (abs_bits >= 0x47700000u) return sign | 0x7B; // |x| >= 61440: the tie rounds up, saturate
-  return sign | static_cast<uint8_t>(round_to_minifloat(abs_bits, 2, 15));
+  uint32_t code = round_to_minifloat(abs_bits, 2, 15);
+  code = abs_bits >= 0x47700000u ? 0x7Bu : code;  // |x| >= 61440: the tie rounds up, saturate
+  code = abs_bits <= 0x37000000u ? 0u : code;     // |x| <= 2^-17
+  code |= (bits >> 24) & 0x80u;
+  return static_cast<uint8_t>(abs_bits > 0x7F800000u ? 0x7Fu : code);  // NaN
 }
 
 /// E4M3 -> float (exact). 0x7F/0xFF are NaN.
