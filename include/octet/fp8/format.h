@@ -58,36 +58,40 @@ OCTET_HD uint32_t round_to_minifloat(uint32_t abs_bits, int mantissa_bits, int b
   const uint32_t normal = (rebiased + (1u << (drop - 1)) - 1u + ((abs_bits >> drop) & 1u)) >> drop;
   // A subnormal result counts units of the smallest subnormal, 2^(1 - bias - mantissa_bits).
   // Scaling by the unit's inverse is exact, and adding 2^23 makes the float adder (in its default
-  // mode, to nearest even) round the count to an integer in the sum's low mantissa bits. A count of 2^mantissa_bits is
-  // the smallest normal's encoding.
+  // mode, to nearest even) round the count to an integer in the sum's low mantissa bits. A count
+  // of 2^mantissa_bits is the smallest normal's encoding.
+  constexpr float kTwoTo23 = 8388608.0f;
   const float per_unit = bits_float(static_cast<uint32_t>(127 + bias - 1 + mantissa_bits) << 23);
-  const float units = bits_float(abs_bits) * per_unit + 8388608.0f;
-  const uint32_t subnormal = float_bits(units) - float_bits(8388608.0f);
+  const uint32_t subnormal = float_bits(bits_float(abs_bits) * per_unit + kTwoTo23) -
+                             float_bits(kTwoTo23);
   const uint32_t smallest_normal = static_cast<uint32_t>(127 + 1 - bias) << 23;
   return abs_bits < smallest_normal ? subnormal : normal;
 }
 
-/// float -> E4M3, round-to-nearest-even, saturating to ±448; NaN -> 0x7F. Selects, not early
-/// returns, for the same reason as round_to_minifloat.
-OCTET_HD uint8_t encode_e4m3(float x) {
+/// x in a saturating FP8 format: round_to_minifloat's fields with x's sign; 0 (signed) when |x|
+/// is at most `zero_limit` (as float bits), `max_code` when above `saturate_limit`; NaN -> 0x7F,
+/// canonical positive as CUDA. Selects, not early returns, for round_to_minifloat's reason.
+OCTET_HD uint8_t encode_minifloat(float x, int mantissa_bits, int bias, uint32_t zero_limit,
+                                  uint32_t saturate_limit, uint32_t max_code) {
   const uint32_t bits = float_bits(x);
   const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  uint32_t code = round_to_minifloat(abs_bits, 3, 7);
-  code = abs_bits > 0x43E80000u ? 0x7Eu : code;  // |x| > 464 (448 + half an ulp): saturate
-  code = abs_bits <= 0x3A800000u ? 0u : code;    // |x| <= 2^-10 (half the smallest subnormal)
+  uint32_t code = round_to_minifloat(abs_bits, mantissa_bits, bias);
+  code = abs_bits > saturate_limit ? max_code : code;
+  code = abs_bits <= zero_limit ? 0u : code;
   code |= (bits >> 24) & 0x80u;
-  return static_cast<uint8_t>(abs_bits > 0x7F800000u ? 0x7Fu : code);  // NaN: canonical positive, as CUDA
+  return static_cast<uint8_t>(abs_bits > 0x7F800000u ? 0x7Fu : code);
+}
+
+/// float -> E4M3, round-to-nearest-even, saturating to ±448; NaN -> 0x7F.
+OCTET_HD uint8_t encode_e4m3(float x) {
+  // Zero at or below 2^-10 (half the smallest subnormal); saturated above 464 (448 + half an ulp).
+  return encode_minifloat(x, 3, 7, 0x3A800000u, 0x43E80000u, 0x7Eu);
 }
 
 /// float -> E5M2, round-to-nearest-even, saturating to ±57344; NaN -> 0x7F.
 OCTET_HD uint8_t encode_e5m2(float x) {
-  const uint32_t bits = float_bits(x);
-  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
-  uint32_t code = round_to_minifloat(abs_bits, 2, 15);
-  code = abs_bits >= 0x47700000u ? 0x7Bu : code;  // |x| >= 61440: the tie rounds up, saturate
-  code = abs_bits <= 0x37000000u ? 0u : code;     // |x| <= 2^-17
-  code |= (bits >> 24) & 0x80u;
-  return static_cast<uint8_t>(abs_bits > 0x7F800000u ? 0x7Fu : code);  // NaN
+  // Zero at or below 2^-17; saturated from 61440 on (the tie rounds up): above the float below it.
+  return encode_minifloat(x, 2, 15, 0x37000000u, 0x476FFFFFu, 0x7Bu);
 }
 
 /// E4M3 -> float (exact). 0x7F/0xFF are NaN.
