@@ -3,6 +3,7 @@
 #if OCTET_WITH_CUDA
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <utility>
@@ -150,6 +151,22 @@ double median_seconds_per_call(const Work& work) {
   for (int i = 0; i < kCeilingBatches; ++i) per_call.push_back(time_batch(calls, work) / calls);
   std::nth_element(per_call.begin(), per_call.begin() + kCeilingBatches / 2, per_call.end());
   return per_call[kCeilingBatches / 2];
+}
+
+double host_seconds_per_call(int calls, const Work& work) {
+  constexpr int kBatches = 7;
+  work();  // the first call plans
+  OCTET_CHECK_CUDA(cudaStreamSynchronize(stream()));
+  std::vector<double> per_call;
+  for (int batch = 0; batch < kBatches; ++batch) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) work();
+    const std::chrono::duration<double> host = std::chrono::steady_clock::now() - start;
+    OCTET_CHECK_CUDA(cudaStreamSynchronize(stream()));
+    per_call.push_back(host.count() / calls);
+  }
+  std::nth_element(per_call.begin(), per_call.begin() + kBatches / 2, per_call.end());
+  return per_call[kBatches / 2];
 }
 
 double copy_bandwidth() { return copy_bandwidth_at(2.0 * static_cast<double>(kCopyBytes)); }

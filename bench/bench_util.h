@@ -61,6 +61,12 @@ double time_loop(benchmark::State& state, const Work& work);
 /// (for the ceilings).
 double median_seconds_per_call(const Work& work);
 
+/// Host seconds per enqueue of `work`: the median over batches of `calls` calls timed on the host
+/// clock before the stream is synchronized. Keep calls times the launches per call well below
+/// the launch queue's depth (about a thousand), or the host waits for the GPU and the loop times
+/// the device.
+double host_seconds_per_call(int calls, const Work& work);
+
 /// Device-to-device copy bandwidth of this GPU in bytes/s, counting bytes read plus bytes
 /// written: cudaMemcpyAsync of a kCopyBytes buffer, measured once per process.
 double copy_bandwidth();

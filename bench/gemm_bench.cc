@@ -7,7 +7,6 @@
 
 #if OCTET_WITH_CUDA
 
-#include <chrono>
 #include <map>
 #include <string>
 #include <utility>
@@ -174,26 +173,10 @@ void bm_octet(benchmark::State& state, const GemmCase& c, const GemmShape& s) {
   });
 }
 
-/// Host seconds per enqueue of `work`, the median of kHostBatches batches of kHostCalls calls timed
-/// on the host clock before the stream is synchronized. At kHostShape a GEMM's device time is a
-/// few microseconds, so the launch queue stays short and the loop times the host side alone.
+/// At kHostShape a GEMM's device time is a few microseconds, so host_seconds_per_call's launch
+/// queue stays short and it times the host side alone.
 constexpr GemmShape kHostShape{256, 256, 256};
 constexpr int kHostCalls = 200;
-constexpr int kHostBatches = 7;
-double host_seconds_per_call(const Work& work) {
-  work();  // the first call plans
-  OCTET_CHECK_CUDA(cudaStreamSynchronize(stream()));
-  std::vector<double> per_call;
-  for (int batch = 0; batch < kHostBatches; ++batch) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < kHostCalls; ++i) work();
-    const std::chrono::duration<double> host = std::chrono::steady_clock::now() - start;
-    OCTET_CHECK_CUDA(cudaStreamSynchronize(stream()));
-    per_call.push_back(host.count() / kHostCalls);
-  }
-  std::nth_element(per_call.begin(), per_call.begin() + kHostBatches / 2, per_call.end());
-  return per_call[kHostBatches / 2];
-}
 
 /// The host side of one ops::gemm call against the raw cuBLASLt call with prebuilt descriptors.
 void bm_host_cost(benchmark::State& state, const GemmCase& c) {
@@ -204,9 +187,8 @@ void bm_host_cost(benchmark::State& state, const GemmCase& c) {
     ops::GemmArgs args;
     args.accumulation = c.accumulation;
     for (auto _ : state) {
-      const double octet = host_seconds_per_call([&] { ops::gemm(a, b, in.d, args); });
-      const double raw = host_seconds_per_call(
-          [&] { lt.run(in.a.raw_data(), in.b.raw_data(), in.d.raw_data(), stream()); });
+      const double octet = host_seconds_per_call(kHostCalls, [&] { ops::gemm(a, b, in.d, args); });
+      const double raw = host_seconds_per_call(kHostCalls, [&] { lt.run(in.a.raw_data(), in.b.raw_data(), in.d.raw_data(), stream()); });
       state.SetIterationTime(octet);
       state.counters["host_us_octet"] = octet * 1e6;
       state.counters["host_us_cublaslt"] = raw * 1e6;
