@@ -19,12 +19,10 @@ namespace octet::ops::cuda {
 
 namespace {
 
-/// A lane other than 0: a stream, a workspace and a cuBLASLt handle of its own (its calls are
-/// issued from a host thread of its own, beside lane 0's).
+/// A lane other than 0: a stream and a workspace of its own.
 struct SideLane {
   cudaStream_t stream = nullptr;
   void* workspace = nullptr;
-  cublasLtHandle_t handle = nullptr;
 };
 
 /// Every device's cuBLASLt state (null until its first GEMM) and side lanes (null until a grouped
@@ -104,16 +102,9 @@ GemmLane gemm_lane(const Device& device, int lane) {
     const cudaError_t status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     if (status != cudaSuccess) device_free(raw, device);
     OCTET_CHECK_CUDA(status);
-    cublasLtHandle_t handle = nullptr;
-    const cublasStatus_t created = cublasLtCreate(&handle);
-    if (created != CUBLAS_STATUS_SUCCESS) {
-      cudaStreamDestroy(stream);
-      device_free(raw, device);
-    }
-    OCTET_CHECK_CUBLAS(created);
-    side = {stream, workspace, handle};
+    side = {stream, workspace};
   }
-  return {side.handle, side.stream, side.workspace, kCublasWorkspaceBytes};
+  return {lt.handle, side.stream, side.workspace, kCublasWorkspaceBytes};
 }
 
 // ----------------------------------------------------------------------------

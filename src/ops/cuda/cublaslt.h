@@ -46,8 +46,8 @@ const CublasLt& cublaslt(const Device& device);
 /// before its first GEMM.
 size_t cublaslt_device_bytes(const Device& device);
 
-/// Where one cuBLASLt call runs: a stream, and a workspace and a handle no call in flight
-/// elsewhere uses (the cuBLAS guide advises against threads sharing a handle).
+/// Where one cuBLASLt call runs: a stream, and a workspace no call in flight elsewhere uses; with
+/// the device's handle, so a call needs no second lookup.
 struct GemmLane {
   cublasLtHandle_t handle = nullptr;
   cudaStream_t stream = nullptr;
@@ -57,9 +57,8 @@ struct GemmLane {
 /// Lanes a grouped GEMM spreads its groups over. Four 1024-row expert GEMMs in flight fill the
 /// GPU's SMs where one leaves most idle; each extra lane costs a 32 MiB workspace.
 inline constexpr int kGemmLanes = 4;
-/// Lane 0 is octet's stream for the device with the device's workspace and handle; lanes 1 ..
-/// kGemmLanes - 1 have a stream, a workspace and a handle of their own, made the first time they
-/// are asked for.
+/// Lane 0 is octet's stream for the device with the device's workspace; lanes 1 .. kGemmLanes - 1
+/// have a stream and a workspace of their own, made the first time they are asked for.
 GemmLane gemm_lane(const Device& device, int lane);
 
 

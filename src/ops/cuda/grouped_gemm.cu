@@ -5,10 +5,8 @@
 // result is bitwise ops::gemm's, and the determinism filter (no in-place split-K) holds for every
 // group, wgrad included. The calls are spread round-robin over kGemmLanes streams, each with its
 // own workspace, forked from and joined back into octet's stream: a 1024-row expert GEMM fills a
-// fraction of the SMs, and several in flight fill the rest. Each lane's calls are issued by a
-// host thread of its own (run_on_lanes), since one thread enqueueing small FP8 GEMMs one by one
-// is slower than the GPU runs them. Groups whose GEMM needs a temporary from the pool (block or
-// MXFP8 scales, FP32 operands with a BF16 D) run on octet's stream, from the calling thread.
+// fraction of the SMs, and several in flight fill the rest. Groups whose GEMM needs a temporary
+// from the pool (block or MXFP8 scales, FP32 operands with a BF16 D) run on octet's stream.
 #include <cublasLt.h>
 #include <dlfcn.h>
 
@@ -18,7 +16,6 @@
 #include <string>
 #include <vector>
 
-#include "core/lane_threads.h"
 #include "octet/core/cuda_context.h"
 #include "ops/cuda/cublaslt.h"
 #include "ops/grouped_gemm_backend.h"
@@ -73,8 +70,6 @@ std::string grouped_gemm_path(const Device& device) {
   return it->second;
 }
 
-static_assert(kGemmLanes <= kMaxLanes, "every GEMM lane needs a host thread of run_on_lanes");
-
 namespace {
 
 /// The side lanes of one grouped GEMM: each waits for what octet's stream has queued before it
@@ -119,12 +114,10 @@ void grouped_gemm(std::span<const GemmProblem> problems, std::span<const GemmSha
     const Device device = problems[on_lanes[0]].d.device();
     DeviceGuard guard(device);
     const LaneFork fork(device, lanes);
-    run_on_lanes(lanes, [&](int lane) {
-      for (size_t k = static_cast<size_t>(lane); k < on_lanes.size(); k += lanes) {
-        const GemmProblem& p = problems[on_lanes[k]];
-        gemm_on_lane(lane, p.a, p.b, p.d, p.args, shapes[on_lanes[k]]);
-      }
-    });
+    for (size_t k = 0; k < on_lanes.size(); ++k) {
+      const GemmProblem& p = problems[on_lanes[k]];
+      gemm_on_lane(static_cast<int>(k % lanes), p.a, p.b, p.d, p.args, shapes[on_lanes[k]]);
+    }
   } else {
     on_stream.insert(on_stream.end(), on_lanes.begin(), on_lanes.end());
   }
