@@ -56,8 +56,7 @@ def _stream_of(tensor, stream):
         return 0
     mod = type(tensor).__module__
     if mod.startswith("torch"):
-        import torch
-        return torch.cuda.current_stream(tensor.device).cuda_stream
+        return _lib.torch_current_stream(tensor.device.index)
     if mod.startswith("cupy"):
         import cupy
         return cupy.cuda.get_current_stream().ptr

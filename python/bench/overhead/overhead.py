@@ -62,8 +62,12 @@ def build_programs(build):
     run(link, cwd=build)
     cuda = ["-DLINEAR_CAPI_CUDA", "-I/usr/local/cuda/include", "-L/usr/local/cuda/lib64",
             "-lcudart"] if with_cuda(build) else []
-    run(["cc", "-O2", "-std=c11", f"-I{ROOT}/include", str(HERE / "linear_capi.c"), "-o", str(capi),
-         f"-L{build}", "-loctet_c", f"-Wl,-rpath,{build}"] + cuda)
+    # The C API's own include path: dlpack.h may live outside /usr/include (the GPU machine's
+    # comes from .carry/include through OCTET_DLPACK_INCLUDE_DIR).
+    c_api = make_variables(build / "CMakeFiles/octet_c.dir/flags.make")
+    run(["cc", "-O2", "-std=c11", f"-I{ROOT}/include", *shlex.split(c_api.get("CXX_INCLUDES", "")),
+         str(HERE / "linear_capi.c"), "-o", str(capi), f"-L{build}", "-loctet_c",
+         f"-Wl,-rpath,{build}"] + cuda)
     return cpp, capi
 
 
