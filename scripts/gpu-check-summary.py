@@ -172,6 +172,11 @@ if "bindings" in stages:
                          f"module glue {s['module_glue_s'] * 1e3:.3f} ms")
     except (OSError, ValueError, KeyError):
         lines.append("  bench_linear.py: no result (bindings.log)")
+    path = os.path.join(state, "cross_thread.txt")
+    cross = [line for line in open(path).read().split("\n") if line] if os.path.exists(path) else []
+    lines.extend("  cross_thread: " + line for line in cross)
+    if not cross:
+        lines.append("  cross_thread.py: no result (bindings.log)")
     lines.append("  " + (value.get("bindings_readme") or "README example: no result"))
     lines.append("  " + (value.get("bindings_pip") or "pip install ./python: no result"))
 

@@ -430,6 +430,12 @@ stage_bindings() {
   rc=$?
   cat "$STATE/bench_linear.json" >>"$log"
   [[ $rc -ne 0 ]] && fail bindings "bench_linear.py exited $rc (bindings.log)"
+  # What PyTorch's autograd thread costs octet's call: the backward on a second thread.
+  echo "=== python/bench/cross_thread.py" >>"$log"
+  "${env[@]}" timeout 60 "${py[@]}" python/bench/cross_thread.py >"$STATE/cross_thread.txt" 2>>"$log"
+  rc=$?
+  cat "$STATE/cross_thread.txt" >>"$log"
+  [[ $rc -ne 0 ]] && fail bindings "cross_thread.py exited $rc (bindings.log)"
   echo "=== the README's Python example, as written" >>"$log"
   "${py[@]}" -c '
 import re, sys
