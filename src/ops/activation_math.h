@@ -10,7 +10,7 @@
 //     dx_j = rstd * dxhat_j - rstd^3 * x_j * mean(dxhat * x) = rstd * (dxhat_j - xhat_j *
 //     mean(dxhat * xhat)): LayerNorm's formula with mean = 0 and without the mean(dxhat) term.
 //   Both: dgamma = sum over rows of dy * xhat, dbeta = sum over rows of dy.
-//   GELU (tanh): u = k0 (x + k1 x^3), t = tanh(u), y = x (1 + t) / 2,
+//   GELU (tanh): u = k0 (x + k1 x^3), t = tanh(u), y = x (1 + t) / 2 = x sigmoid(2u),
 //     y' = (1 + t) / 2 + x (1 - t^2) k0 (1 + 3 k1 x^2) / 2.
 //   SiLU: s = 1 / (1 + exp(-g)), silu(g) = g / (1 + exp(-g)), silu'(g) = s (1 + g (1 - s)).
 //   SwiGLU: y = silu(gate) * up; dgate = dy * up * silu'(gate), dup = dy * silu(gate).
@@ -81,58 +81,60 @@ OCTET_HD float norm_dx(float dxhat, float xhat, float rstd, float mean_dxhat,
 // ----------------------------------------------------------------------------
 // Activations
 
-// On the device, GELU and SiLU take their exponential and division from the special-function
-// unit (__expf: MUFU.EX2; __fdividef: MUFU.RCP), and GELU is written as x * sigmoid(2u), which
-// is x (1 + tanh(u)) / 2. The accurate tanhf, expf and IEEE division made the fused activation
-// tile kernels instruction-bound (ncu at GPT-2 1.5B's shapes: 68-72% of SM throughput against
-// 34-45% of DRAM's). __expf is within 2 + 1.2|x| ulps, which keeps every output inside the f32
-// elementwise bound of the parity tests (4e-6 of the terms' magnitude) for the arguments that
-// are not saturated. The host keeps the libm forms (the CPU reference and its recorded runs).
-// The exponent of GELU's sigmoid is clamped at 80 so that 1 + e stays below 2^126, where
-// __fdividef returns 0, and e * s (= 1 - s) stays finite.
+// GELU is written as x * sigmoid(2u), which is x (1 + tanh(u)) / 2, and GELU and SiLU take their
+// exponential and division from two helpers. On the device those are the special-function unit's
+// (__expf: MUFU.EX2; __fdividef: MUFU.RCP): the accurate expf and IEEE division made the fused
+// activation tile kernels instruction-bound (ncu at GPT-2 1.5B's shapes: 68-72% of SM throughput
+// against 34-45% of DRAM's). __expf is within 2 + 1.2|x| ulps, which keeps every output inside
+// the f32 elementwise bound of the parity tests (4e-6 of the terms' magnitude) for the arguments
+// that are not saturated. The host, the CPU reference, takes libm's expf and IEEE division: the
+// same expressions, rounded once each (libm's tanhf took four times as long an element and made
+// GELU a quarter of the CPU's training step). The exponent of GELU's sigmoid is clamped at 80 so
+// that 1 + e stays below 2^126, where __fdividef returns 0, and e * s (= 1 - s) stays finite.
 inline constexpr float kGeluMaxExponent = 80.0f;
 
-OCTET_HD float gelu(float x) {
+/// e^x: the special-function unit's on the device, libm's expf on the host.
+OCTET_HD float activation_exp(float x) {
 #ifdef __CUDA_ARCH__
-  const float e = __expf(fminf(-2.0f * kGeluK0 * (x + kGeluK1 * x * x * x), kGeluMaxExponent));
-  return __fdividef(x, 1.0f + e);
+  return __expf(x);
 #else
-  const float t = tanhf(kGeluK0 * (x + kGeluK1 * x * x * x));
-  return 0.5f * x * (1.0f + t);
+  return expf(x);
 #endif
+}
+
+/// a / b: the special-function unit's reciprocal on the device, IEEE division on the host.
+OCTET_HD float activation_divide(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdividef(a, b);
+#else
+  return a / b;
+#endif
+}
+
+/// x sigmoid(2u) = x / (1 + e), e = exp(-2u) clamped, u = k0 (x + k1 x^3).
+OCTET_HD float gelu(float x) {
+  const float e =
+      activation_exp(fminf(-2.0f * kGeluK0 * (x + kGeluK1 * x * x * x), kGeluMaxExponent));
+  return activation_divide(x, 1.0f + e);
 }
 
 /// d gelu / dx, exact for the tanh form (not the erf form). With s = sigmoid(2u) = (1 + t) / 2:
 /// 1 - t^2 = 4 s (1 - s), so y' = s + 2 x s (1 - s) k0 (1 + 3 k1 x^2).
 OCTET_HD float gelu_grad(float x) {
   const float x2 = x * x;
-#ifdef __CUDA_ARCH__
-  const float e = __expf(fminf(-2.0f * kGeluK0 * (x + kGeluK1 * x2 * x), kGeluMaxExponent));
-  const float s = __fdividef(1.0f, 1.0f + e);
+  const float e =
+      activation_exp(fminf(-2.0f * kGeluK0 * (x + kGeluK1 * x2 * x), kGeluMaxExponent));
+  const float s = activation_divide(1.0f, 1.0f + e);
   return s + 2.0f * x * s * (e * s) * kGeluK0 * (1.0f + 3.0f * kGeluK1 * x2);
-#else
-  const float t = tanhf(kGeluK0 * (x + kGeluK1 * x2 * x));
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluK0 * (1.0f + 3.0f * kGeluK1 * x2);
-#endif
 }
 
 /// g / (1 + exp(-g)): -0 (not NaN) for very negative g, where exp overflows to inf (on the
 /// device __fdividef(g, inf) is g * 0).
-OCTET_HD float silu(float g) {
-#ifdef __CUDA_ARCH__
-  return __fdividef(g, 1.0f + __expf(-g));
-#else
-  return g / (1.0f + expf(-g));
-#endif
-}
+OCTET_HD float silu(float g) { return activation_divide(g, 1.0f + activation_exp(-g)); }
 
 /// d silu / dg = s (1 + g (1 - s)), s = sigmoid(g).
 OCTET_HD float silu_grad(float g) {
-#ifdef __CUDA_ARCH__
-  const float s = __fdividef(1.0f, 1.0f + __expf(-g));
-#else
-  const float s = 1.0f / (1.0f + expf(-g));
-#endif
+  const float s = activation_divide(1.0f, 1.0f + activation_exp(-g));
   return s * (1.0f + g * (1.0f - s));
 }
 
