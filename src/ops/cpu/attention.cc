@@ -1,7 +1,9 @@
 // CPU reference of causal attention and RoPE: plain loops with OpenMP, all math in f32, every sum
 // in a fixed sequential order (so the results do not depend on the thread count). Each output row
-// has one owner: dq is computed per query (iterating over keys), dk and dv per key (iterating over
-// queries), as the CUDA kernels do; probabilities are recomputed from the forward's lse.
+// has one owner: dq sums over keys, dk and dv over queries, as the CUDA kernels do; the backward
+// recomputes the probabilities from the forward's lse once per (batch, head) and block of query
+// rows, and both of its passes read them.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -72,12 +74,38 @@ float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+/// dot(a, rows[r], n) for kDots rows at once. Each sum still runs over the elements in order, so
+/// every result has dot()'s bits; the independent chains only overlap in the pipeline.
+constexpr int kDots = 4;
+void dots(const float* a, const float* const rows[kDots], int64_t n, float out[kDots]) {
+  float sum[kDots] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    for (int r = 0; r < kDots; ++r) sum[r] += a[i] * rows[r][i];
+  }
+  for (int r = 0; r < kDots; ++r) out[r] = sum[r];
+}
+
+/// out[j] = dot(a, row(j), n) for j in [0, count): kDots at a time, then one by one.
+template <typename Row>
+void dots_over(const float* a, Row row, int64_t count, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + kDots <= count; j += kDots) {
+    const float* rows[kDots];
+    for (int r = 0; r < kDots; ++r) rows[r] = row(j + r);
+    dots(a, rows, n, out + j);
+  }
+  for (; j < count; ++j) out[j] = dot(a, row(j), n);
+}
+
 float softmax_scale(const AttentionShape& s) {
   return 1.0f / std::sqrt(static_cast<float>(s.head_dim));
 }
 
 /// OpenMP chunk of rows: causal rows differ in cost, so they are handed out dynamically.
 constexpr int kRowsPerChunk = 8;
+/// Query rows whose probabilities the backward keeps at once (two kRowBlock x seq f32 buffers a
+/// thread).
+constexpr int64_t kRowBlock = 64;
 
 }  // namespace
 
@@ -98,9 +126,10 @@ void attention_forward(const Tensor& qkv, const AttentionShape& shape, const Ten
     for (int64_t row = 0; row < B * H * T; ++row) {
       const int64_t b = row / (H * T), h = row / T % H, i = row % T;
       const float* q = in + at.q(b, i, h);
+      dots_over(q, [&](int64_t j) { return in + at.k(b, j, h); }, i + 1, D, scores.data());
       float max_score = -INFINITY;
       for (int64_t j = 0; j <= i; ++j) {
-        scores[j] = dot(q, in + at.k(b, j, h), D) * scale;
+        scores[j] *= scale;
         max_score = std::fmax(max_score, scores[j]);
       }
       float sum = 0.0f;
@@ -138,45 +167,60 @@ void attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out
     delta[row] = dot(g + at.o(b, i, h), o + at.o(b, i, h), D);
   }
 
-  // dS_ij = P_ij (dP_ij - delta_i) with P_ij = exp(s_ij - lse_i) and dP_ij = dout_i . v_j.
-  const auto ds = [&](int64_t b, int64_t h, int64_t i, int64_t j, float* p_out) {
-    const int64_t r = at.stat(b, h, i);
-    const float p = std::exp(dot(x + at.q(b, i, h), x + at.k(b, j, h), D) * scale - lse_in[r]);
-    *p_out = p;
-    return p * (dot(g + at.o(b, i, h), x + at.v(b, j, h), D) - delta[r]);
-  };
-
-  // dq_i = scale * sum_{j <= i} dS_ij k_j.
-#pragma omp parallel for schedule(dynamic, kRowsPerChunk)
-  for (int64_t row = 0; row < B * H * T; ++row) {
-    const int64_t b = row / (H * T), h = row / T % H, i = row % T;
-    float* dq = dx.data() + at.q(b, i, h);
-    for (int64_t j = 0; j <= i; ++j) {
-      float p;
-      const float dsij = ds(b, h, i, j, &p);
-      const float* k = x + at.k(b, j, h);
-      for (int64_t d = 0; d < D; ++d) dq[d] += dsij * k[d];
-    }
-    for (int64_t d = 0; d < D; ++d) dq[d] *= scale;
-  }
-
-  // dk_j = scale * sum_{i >= j} dS_ij q_i and dv_j = sum_{i >= j} P_ij dout_i.
-#pragma omp parallel for schedule(dynamic, kRowsPerChunk)
-  for (int64_t row = 0; row < B * H * T; ++row) {
-    const int64_t b = row / (H * T), h = row / T % H, j = row % T;
-    float* dk = dx.data() + at.k(b, j, h);
-    float* dv = dx.data() + at.v(b, j, h);
-    for (int64_t i = j; i < T; ++i) {
-      float p;
-      const float dsij = ds(b, h, i, j, &p);
-      const float* q = x + at.q(b, i, h);
-      const float* gi = g + at.o(b, i, h);
-      for (int64_t d = 0; d < D; ++d) {
-        dk[d] += dsij * q[d];
-        dv[d] += p * gi[d];
+  // Per (batch, head), a block of query rows at a time: P_ij = exp(s_ij - lse_i) and dS_ij =
+  // P_ij (dP_ij - delta_i), dP_ij = dout_i . v_j, for every key j <= i, computed once and read by
+  // both passes below. dq_i = scale * sum_{j <= i} dS_ij k_j is complete within the block;
+  // dk_j = scale * sum_{i >= j} dS_ij q_i and dv_j = sum_{i >= j} P_ij dout_i add the blocks in
+  // ascending order, so every sum runs over its index in order, whatever the block size.
+#pragma omp parallel
+  {
+    std::vector<float> p_block(static_cast<size_t>(kRowBlock * T));
+    std::vector<float> ds_block(static_cast<size_t>(kRowBlock * T));
+    std::vector<float> dp(static_cast<size_t>(T));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const auto key = [&](int64_t j) { return x + at.k(b, j, h); };
+      const auto value = [&](int64_t j) { return x + at.v(b, j, h); };
+      for (int64_t i0 = 0; i0 < T; i0 += kRowBlock) {
+        const int64_t i1 = std::min(T, i0 + kRowBlock);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t r = at.stat(b, h, i);
+          float* p = p_block.data() + (i - i0) * T;
+          float* ds = ds_block.data() + (i - i0) * T;
+          dots_over(x + at.q(b, i, h), key, i + 1, D, p);
+          dots_over(g + at.o(b, i, h), value, i + 1, D, dp.data());
+          for (int64_t j = 0; j <= i; ++j) {
+            p[j] = std::exp(p[j] * scale - lse_in[r]);
+            ds[j] = p[j] * (dp[j] - delta[r]);
+          }
+          float* dq = dx.data() + at.q(b, i, h);
+          for (int64_t j = 0; j <= i; ++j) {
+            const float* k = key(j);
+            for (int64_t d = 0; d < D; ++d) dq[d] += ds[j] * k[d];
+          }
+          for (int64_t d = 0; d < D; ++d) dq[d] *= scale;
+        }
+        for (int64_t j = 0; j < i1; ++j) {
+          float* dk = dx.data() + at.k(b, j, h);
+          float* dv = dx.data() + at.v(b, j, h);
+          for (int64_t i = std::max(j, i0); i < i1; ++i) {
+            const float dsij = ds_block[(i - i0) * T + j];
+            const float pij = p_block[(i - i0) * T + j];
+            const float* q = x + at.q(b, i, h);
+            const float* gi = g + at.o(b, i, h);
+            for (int64_t d = 0; d < D; ++d) {
+              dk[d] += dsij * q[d];
+              dv[d] += pij * gi[d];
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < T; ++j) {
+        float* dk = dx.data() + at.k(b, j, h);
+        for (int64_t d = 0; d < D; ++d) dk[d] *= scale;
       }
     }
-    for (int64_t d = 0; d < D; ++d) dk[d] *= scale;
   }
   store(dx, dqkv);
 }
