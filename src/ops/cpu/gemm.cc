@@ -119,27 +119,58 @@ class ElementReader {
 
 /// Packs the [outer, k] matrix op(X) (outer = M for A, N for B) into panels of `width` outer
 /// indices: panel p holds element (p * width + w, k) at [p][k][w]; outer indices past the end are
-/// zero. `k_contiguous`: X is stored [outer, K]; otherwise [K, outer].
-std::vector<float> pack_panels(const GemmOperand& x, bool k_contiguous, int64_t outer, int64_t k,
-                               int64_t width, bool parallel) {
-  const ElementReader read(x);
+/// zero. `k_contiguous`: X is stored [outer, K]; otherwise [K, outer]. `load(r, c)` reads stored
+/// element (r, c) as f32; the loops walk the stored rows in memory order either way.
+template <typename Load>
+std::vector<float> pack_with(Load load, bool k_contiguous, int64_t outer, int64_t k,
+                             int64_t width, bool parallel) {
   const int64_t panels = ceil_div(outer, width);
-  std::vector<float> packed(static_cast<size_t>(panels * width * k));
+  std::vector<float> packed(static_cast<size_t>(panels * width * k));  // zeros past the end
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t p = 0; p < panels; ++p) {
     float* dst = packed.data() + p * width * k;
-    for (int64_t w = 0; w < width; ++w) {
-      const int64_t o = p * width + w;
-      if (o >= outer) {
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * width + w] = 0.0f;
-      } else if (k_contiguous) {
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * width + w] = read(o, kk);
-      } else {
-        for (int64_t kk = 0; kk < k; ++kk) dst[kk * width + w] = read(kk, o);
+    const int64_t o0 = p * width, valid = std::min(width, outer - o0);
+    if (k_contiguous) {
+      for (int64_t w = 0; w < valid; ++w) {
+        for (int64_t kk = 0; kk < k; ++kk) dst[kk * width + w] = load(o0 + w, kk);
+      }
+    } else {
+      for (int64_t kk = 0; kk < k; ++kk) {
+        for (int64_t w = 0; w < valid; ++w) dst[kk * width + w] = load(kk, o0 + w);
       }
     }
   }
   return packed;
+}
+
+/// pack_with over x's elements: dense f32 and bf16 and per-tensor FP8 (through a table of the 256
+/// codes already times the scale: the same f32 product per element) read directly, block scales
+/// through ElementReader.
+std::vector<float> pack_panels(const GemmOperand& x, bool k_contiguous, int64_t outer, int64_t k,
+                               int64_t width, bool parallel) {
+  const int64_t cols = x.data.cols();
+  const DType dtype = x.data.dtype();
+  if (dtype == DType::f32) {
+    const float* f = x.data.data<float>();
+    return pack_with([=](int64_t r, int64_t c) { return f[r * cols + c]; }, k_contiguous, outer,
+                     k, width, parallel);
+  }
+  if (dtype == DType::bf16) {
+    const auto* bits = static_cast<const uint16_t*>(x.data.raw_data());
+    return pack_with([=](int64_t r, int64_t c) { return fp8::decode_bf16(bits[r * cols + c]); },
+                     k_contiguous, outer, k, width, parallel);
+  }
+  if (is_fp8(dtype) && x.mode == fp8::ScalingMode::per_tensor) {
+    const float scale = x.scale_inv.data<float>()[0];
+    std::array<float, 256> scaled{};
+    for (int v = 0; v < 256; ++v)
+      scaled[v] = fp8::decode_fp8(static_cast<uint8_t>(v), dtype) * scale;
+    const auto* codes = static_cast<const uint8_t*>(x.data.raw_data());
+    return pack_with([&](int64_t r, int64_t c) { return scaled[codes[r * cols + c]]; },
+                     k_contiguous, outer, k, width, parallel);
+  }
+  const ElementReader read(x);
+  return pack_with(read, k_contiguous, outer, k, width, parallel);
 }
 
 // ----------------------------------------------------------------------------
