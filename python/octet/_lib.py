@@ -241,27 +241,29 @@ def _capsule_destructor(capsule):
         release(_get_pointer_raw(capsule, _DLTENSOR))
 
 
-_torch_fast = None
+_torch_exports = None
 
 
-def _torch():
-    """(to_dlpack, current raw stream of a device index) from PyTorch, looked up once: both skip
-    the Python-level work of Tensor.__dlpack__ and torch.cuda.current_stream."""
-    global _torch_fast
-    if _torch_fast is None:
+def torch_exports():
+    """(to_dlpack, raw current stream of a device index) from PyTorch, looked up on first use (the
+    package works without PyTorch). Both skip Python-level work: Tensor.__dlpack__'s stream
+    handshake, which octet does not need (it orders every call on the stream it is given), and
+    the torch.cuda.Stream object that torch.cuda.current_stream builds."""
+    global _torch_exports
+    if _torch_exports is None:
         import torch
         try:
             from torch._C import _cuda_getCurrentRawStream as raw_stream
         except ImportError:
             def raw_stream(index):
                 return torch.cuda.current_stream(index).cuda_stream
-        _torch_fast = (torch.utils.dlpack.to_dlpack, raw_stream)
-    return _torch_fast
+        _torch_exports = (torch.utils.dlpack.to_dlpack, raw_stream)
+    return _torch_exports
 
 
 def torch_current_stream(device_index) -> int:
     """PyTorch's current stream on a CUDA device."""
-    return _torch()[1](device_index)
+    return torch_exports()[1](device_index)
 
 
 def capsule_of(obj, stream=None):
@@ -271,7 +273,7 @@ def capsule_of(obj, stream=None):
     if type(obj).__name__ == "PyCapsule":
         return obj
     if stream is None and type(obj).__module__.startswith("torch"):
-        return _torch()[0](obj)
+        return torch_exports()[0](obj)
     try:
         export = obj.__dlpack__
     except AttributeError:

@@ -27,15 +27,10 @@ __all__ = ["Linear", "LayerNormLinear", "LayerNormMLP"]
 
 _COMPUTE = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
-try:  # the current stream's handle in one call, without building a torch.cuda.Stream
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
-except ImportError:
-    def _raw_stream(index: int) -> int:
-        return torch.cuda.current_stream(index).cuda_stream
-
-# Capsules both ways: octet orders every call on the stream it is given, so the stream
-# handshake of Tensor.__dlpack__ and of from_dlpack on a tensor object is not needed.
-_to_dlpack = torch.utils.dlpack.to_dlpack
+# Capsules both ways and the raw current stream (octet._lib.torch_exports): octet orders every
+# call on the stream it is given, so the stream handshake of Tensor.__dlpack__ and of from_dlpack
+# on a tensor object is not needed.
+_to_dlpack, _raw_stream = octet._lib.torch_exports()
 _from_dlpack = torch.utils.dlpack.from_dlpack
 
 

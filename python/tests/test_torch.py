@@ -322,6 +322,30 @@ def test_dlpack_zero_copy_on_the_gpu():
     assert octet.dequantize(q, out=out) is out
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_framework_free_api_over_torch_tensors_equals_numpy(device):
+    """octet.quantize and octet.Linear take PyTorch tensors through their own export (no
+    __dlpack__ handshake; PyTorch's current stream): the same bytes as over NumPy."""
+    def host(a):  # octet's outputs: NumPy on the CPU, PyTorch on a GPU
+        return a.cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+    x = torch.randn(48, 64)
+    q_numpy, q_torch = octet.quantize(x.numpy()), octet.quantize(x.to(device))
+    assert np.array_equal(host(q_numpy.data()), host(q_torch.data()))
+    assert np.array_equal(host(q_numpy.scale_inv()), host(q_torch.scale_inv()))
+    if device != "cpu":
+        return  # octet's GEMMs are equal across backends within a tolerance, not bitwise
+    with_numpy, with_torch = octet.Linear(64, 32, seed=3), octet.Linear(64, 32, seed=3)
+    dy = torch.randn(48, 32)
+    y_numpy, record_numpy = with_numpy.forward(x.numpy())
+    y_torch, record_torch = with_torch.forward(x)
+    assert np.array_equal(host(y_numpy), host(y_torch))
+    dx_numpy = with_numpy.backward(dy.numpy(), record_numpy)
+    dx_torch = with_torch.backward(dy, record_torch)
+    assert np.array_equal(host(dx_numpy), host(dx_torch))
+    assert np.array_equal(host(with_numpy.grad_weight), host(with_torch.grad_weight))
+
+
 def test_no_grad_forward_leaves_the_fp8_state_alone():
     lin = ot.Linear(32, 16)
     r = octet.Recipe.delayed(amax_history_len=4)
