@@ -126,8 +126,7 @@ void bm_cublaslt(benchmark::State& state, const GemmCase& c, const GemmShape& s)
 }
 
 /// octet's operands over the inputs: A, and B used transposed.
-std::pair<ops::GemmOperand, ops::GemmOperand> octet_operands(const GemmCase& c,
-                                                             const GemmShape& s,
+std::pair<ops::GemmOperand, ops::GemmOperand> octet_operands(const GemmCase& c, const GemmShape& s,
                                                              const GemmInputs& in) {
   ops::GemmOperand a;
   ops::GemmOperand b;
@@ -188,7 +187,8 @@ void bm_host_cost(benchmark::State& state, const GemmCase& c) {
     args.accumulation = c.accumulation;
     for (auto _ : state) {
       const double octet = host_seconds_per_call(kHostCalls, [&] { ops::gemm(a, b, in.d, args); });
-      const double raw = host_seconds_per_call(kHostCalls, [&] { lt.run(in.a.raw_data(), in.b.raw_data(), in.d.raw_data(), stream()); });
+      const double raw = host_seconds_per_call(
+          kHostCalls, [&] { lt.run(in.a.raw_data(), in.b.raw_data(), in.d.raw_data(), stream()); });
       state.SetIterationTime(octet);
       state.counters["host_us_octet"] = octet * 1e6;
       state.counters["host_us_cublaslt"] = raw * 1e6;

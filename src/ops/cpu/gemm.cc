@@ -65,31 +65,23 @@ static_assert(kMc % kMr == 0 && kNc % kNr == 0, "blocks must hold whole micro-ti
 // ----------------------------------------------------------------------------
 // Materializing and packing operands
 
-/// Reads element (r, c) of an operand's data as stored ([rows, cols], row-major) as f32, scales
-/// applied (contract step 1).
-class ElementReader {
+/// Reads element (r, c) of an FP8 operand's data as stored ([rows, cols], row-major) as f32, its
+/// block's scale applied (contract step 1). pack_panels takes it for block scales; per-tensor
+/// FP8 goes through a table of the codes already times the scale.
+class Fp8ElementReader {
  public:
-  explicit ElementReader(const GemmOperand& x)
-      : dtype_(x.data.dtype()),
-        mode_(x.mode),
+  explicit Fp8ElementReader(const GemmOperand& x)
+      : mode_(x.mode),
         cols_(x.data.cols()),
-        data_(static_cast<const uint8_t*>(x.data.raw_data())) {
-    if (!is_fp8(dtype_)) return;
-    for (int v = 0; v < 256; ++v) fp8_lut_[v] = fp8::decode_fp8(static_cast<uint8_t>(v), dtype_);
-    scale_ = static_cast<const uint8_t*>(x.scale_inv.raw_data());
-    scale_cols_ = x.scale_inv.cols();
+        data_(static_cast<const uint8_t*>(x.data.raw_data())),
+        scale_(static_cast<const uint8_t*>(x.scale_inv.raw_data())),
+        scale_cols_(x.scale_inv.cols()) {
+    for (int v = 0; v < 256; ++v)
+      fp8_lut_[v] = fp8::decode_fp8(static_cast<uint8_t>(v), x.data.dtype());
   }
 
   float operator()(int64_t r, int64_t c) const {
-    const int64_t i = r * cols_ + c;
-    switch (dtype_) {
-      case DType::f32:
-        return reinterpret_cast<const float*>(data_)[i];
-      case DType::bf16:
-        return fp8::decode_bf16(reinterpret_cast<const uint16_t*>(data_)[i]);
-      default:
-        return fp8_lut_[data_[i]] * scale(r, c);
-    }
+    return fp8_lut_[data_[r * cols_ + c]] * scale(r, c);
   }
 
  private:
@@ -108,12 +100,11 @@ class ElementReader {
     return 0.0f;
   }
 
-  DType dtype_;
   fp8::ScalingMode mode_;
   int64_t cols_;
   const uint8_t* data_;
-  const uint8_t* scale_ = nullptr;
-  int64_t scale_cols_ = 0;
+  const uint8_t* scale_;
+  int64_t scale_cols_;
   std::array<float, 256> fp8_lut_{};
 };
 
@@ -122,8 +113,8 @@ class ElementReader {
 /// zero. `k_contiguous`: X is stored [outer, K]; otherwise [K, outer]. `load(r, c)` reads stored
 /// element (r, c) as f32; the loops walk the stored rows in memory order either way.
 template <typename Load>
-std::vector<float> pack_with(Load load, bool k_contiguous, int64_t outer, int64_t k,
-                             int64_t width, bool parallel) {
+std::vector<float> pack_with(Load load, bool k_contiguous, int64_t outer, int64_t k, int64_t width,
+                             bool parallel) {
   const int64_t panels = ceil_div(outer, width);
   std::vector<float> packed(static_cast<size_t>(panels * width * k));  // zeros past the end
 #pragma omp parallel for schedule(static) if (parallel)
@@ -144,16 +135,16 @@ std::vector<float> pack_with(Load load, bool k_contiguous, int64_t outer, int64_
 }
 
 /// pack_with over x's elements: dense f32 and bf16 and per-tensor FP8 (through a table of the 256
-/// codes already times the scale: the same f32 product per element) read directly, block scales
-/// through ElementReader.
+/// codes already times the scale: the same f32 product per element) read directly, block-scaled
+/// FP8 through Fp8ElementReader.
 std::vector<float> pack_panels(const GemmOperand& x, bool k_contiguous, int64_t outer, int64_t k,
                                int64_t width, bool parallel) {
   const int64_t cols = x.data.cols();
   const DType dtype = x.data.dtype();
   if (dtype == DType::f32) {
     const float* f = x.data.data<float>();
-    return pack_with([=](int64_t r, int64_t c) { return f[r * cols + c]; }, k_contiguous, outer,
-                     k, width, parallel);
+    return pack_with([=](int64_t r, int64_t c) { return f[r * cols + c]; }, k_contiguous, outer, k,
+                     width, parallel);
   }
   if (dtype == DType::bf16) {
     const auto* bits = static_cast<const uint16_t*>(x.data.raw_data());
@@ -169,8 +160,7 @@ std::vector<float> pack_panels(const GemmOperand& x, bool k_contiguous, int64_t 
     return pack_with([&](int64_t r, int64_t c) { return scaled[codes[r * cols + c]]; },
                      k_contiguous, outer, k, width, parallel);
   }
-  const ElementReader read(x);
-  return pack_with(read, k_contiguous, outer, k, width, parallel);
+  return pack_with(Fp8ElementReader(x), k_contiguous, outer, k, width, parallel);
 }
 
 // ----------------------------------------------------------------------------
