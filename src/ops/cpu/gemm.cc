@@ -246,30 +246,56 @@ float round_to(DType dtype, float v) {
   return dtype == DType::f32 ? v : fp8::decode_bf16(fp8::encode_bf16(v));
 }
 
-/// Contract steps 3 and 4 for rows [m0, m0 + rows) and columns [n0, n0 + cols) of D.
-void epilogue(const float* tile, int64_t rows, int64_t cols, int64_t m0, int64_t n0,
-              const Tensor& d, const GemmArgs& args, const std::vector<float>& bias, int64_t n) {
+/// Contract steps 3 and 4 for rows [m0, m0 + rows) and columns [n0, n0 + cols) of D, with D's
+/// dtype and which terms are present fixed at compile time (the loop then has no branches).
+template <DType kD, bool kAddend, bool kBeta, bool kBias>
+void epilogue_rows(const float* tile, int64_t rows, int64_t cols, int64_t m0, int64_t n0,
+                   const Tensor& d, const GemmArgs& args, const float* bias, int64_t n) {
   void* const d_data = d.raw_data();
-  const DType d_dtype = d.dtype();
-  const void* const addend = args.addend.defined() ? args.addend.raw_data() : nullptr;
+  const void* const addend = kAddend ? args.addend.raw_data() : nullptr;
+  const float alpha = args.alpha, beta = args.beta;
   for (int64_t r = 0; r < rows; ++r) {
+    const float* acc = tile + r * kNc;
+    const int64_t row = (m0 + r) * n + n0;
     for (int64_t c = 0; c < cols; ++c) {
-      const int64_t i = (m0 + r) * n + (n0 + c);
-      float out = args.alpha * tile[r * kNc + c];
-      if (addend != nullptr) out = round_to(d_dtype, out);
-      if (args.beta != 0.0f) {
-        const float scaled_old = args.beta * load_f32(d_data, d_dtype, i);
+      const int64_t i = row + c;
+      float out = alpha * acc[c];
+      if constexpr (kAddend) out = round_to(kD, out);
+      if constexpr (kBeta) {
+        const float scaled_old = beta * load_f32(d_data, kD, i);
         out = out + scaled_old;
       }
-      if (!bias.empty()) out = out + bias[n0 + c];
-      if (addend != nullptr) out = out + load_f32(addend, d_dtype, i);
-      if (d_dtype == DType::f32) {
+      if constexpr (kBias) out = out + bias[n0 + c];
+      if constexpr (kAddend) out = out + load_f32(addend, kD, i);
+      if constexpr (kD == DType::f32) {
         static_cast<float*>(d_data)[i] = out;
       } else {
         static_cast<uint16_t*>(d_data)[i] = fp8::encode_bf16(out);
       }
     }
   }
+}
+
+/// A pointer to the epilogue_rows instance for D's dtype and the terms `args` has.
+using Epilogue = void (*)(const float*, int64_t, int64_t, int64_t, int64_t, const Tensor&,
+                          const GemmArgs&, const float*, int64_t);
+
+template <DType kD, bool kAddend, bool kBeta>
+Epilogue pick_bias(bool bias) {
+  return bias ? &epilogue_rows<kD, kAddend, kBeta, true>
+              : &epilogue_rows<kD, kAddend, kBeta, false>;
+}
+
+template <DType kD>
+Epilogue pick_terms(bool addend, bool beta, bool bias) {
+  if (addend) return beta ? pick_bias<kD, true, true>(bias) : pick_bias<kD, true, false>(bias);
+  return beta ? pick_bias<kD, false, true>(bias) : pick_bias<kD, false, false>(bias);
+}
+
+Epilogue pick_epilogue(const Tensor& d, const GemmArgs& args) {
+  const bool addend = args.addend.defined(), beta = args.beta != 0.0f, bias = args.bias.defined();
+  return d.dtype() == DType::f32 ? pick_terms<DType::f32>(addend, beta, bias)
+                                 : pick_terms<DType::bf16>(addend, beta, bias);
 }
 
 }  // namespace
@@ -287,6 +313,7 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
     for (int64_t j = 0; j < n; ++j) bias[j] = load_f32(args.bias.raw_data(), args.bias.dtype(), j);
   }
 
+  const Epilogue epilogue = pick_epilogue(d, args);
   const int64_t row_blocks = ceil_div(m, kMc), col_blocks = ceil_div(n, kNc);
 #pragma omp parallel if (parallel)
   {
@@ -298,7 +325,7 @@ void gemm(const GemmOperand& a, const GemmOperand& b, const Tensor& d, const Gem
         const int64_t rows = std::min(kMc, m - m0), cols = std::min(kNc, n - n0);
         compute_block(a_packed.data() + m0 * k, b_packed.data() + n0 * k, k, ceil_div(rows, kMr),
                       ceil_div(cols, kNr), tile.data());
-        epilogue(tile.data(), rows, cols, m0, n0, d, args, bias, n);
+        epilogue(tile.data(), rows, cols, m0, n0, d, args, bias.data(), n);
       }
     }
   }

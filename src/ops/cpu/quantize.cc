@@ -161,11 +161,10 @@ void write_rowwise(const T* x, const BlockGrid& g, const float* multiplier, uint
   }
 }
 
-/// data_t[c][r] = fp8(x[r][c] * multiplier of its block), in square tiles so that both the
-/// strided reads and the strided writes stay in cache.
-template <typename T, DType kFp8>
-void write_transposed(const T* x, const BlockGrid& g, const float* multiplier, uint8_t* data_t) {
-  const int64_t rows = g.rows(), cols = g.cols();
+/// data_t[c][r] = code(r, c) for a [rows, cols] x, in square tiles so that both the strided reads
+/// of x and the strided writes stay in cache.
+template <typename Code>
+void write_transposed_tiles(int64_t rows, int64_t cols, uint8_t* data_t, Code code) {
   const int64_t tile_rows = ceil_div(rows, kTransposeTile);
   const int64_t tile_cols = ceil_div(cols, kTransposeTile);
 #pragma omp parallel for collapse(2) schedule(static)
@@ -175,11 +174,26 @@ void write_transposed(const T* x, const BlockGrid& g, const float* multiplier, u
       const int64_t c0 = tj * kTransposeTile, c1 = std::min(cols, c0 + kTransposeTile);
       for (int64_t c = c0; c < c1; ++c) {
         uint8_t* out = data_t + c * rows;
-        for (int64_t r = r0; r < r1; ++r)
-          out[r] = fp8::quantize_value(load(x, r * cols + c), multiplier[g.block_of(r, c)], kFp8);
+        for (int64_t r = r0; r < r1; ++r) out[r] = code(r, c);
       }
     }
   }
+}
+
+/// data_t[c][r] = fp8(x[r][c] * multiplier of its block).
+template <typename T, DType kFp8>
+void write_transposed(const T* x, const BlockGrid& g, const float* multiplier, uint8_t* data_t) {
+  const int64_t cols = g.cols();
+  write_transposed_tiles(g.rows(), cols, data_t, [&g, x, multiplier, cols](int64_t r, int64_t c) {
+    return fp8::quantize_value(load(x, r * cols + c), multiplier[g.block_of(r, c)], kFp8);
+  });
+}
+
+/// data_t[c][r] = data[r][c]: the transposed copy when its codes are the row-wise ones (the two
+/// copies share their blocks and multipliers).
+void transpose_codes(const uint8_t* data, int64_t rows, int64_t cols, uint8_t* data_t) {
+  write_transposed_tiles(rows, cols, data_t,
+                         [=](int64_t r, int64_t c) { return data[r * cols + c]; });
 }
 
 /// Multipliers and block amaxes of one copy (row-wise or column-wise) of x.
@@ -218,22 +232,24 @@ void quantize_typed(const T* x, QuantizedTensor& out, const QuantizeArgs& args) 
   const ScaledBlocks* amax_source = out.has_rowwise() ? &rowwise : nullptr;
   ScaledBlocks columnwise{blocks_of(out.mode, out.rows, out.cols, true), {}, {}};
   if (out.has_columnwise()) {
-    // 128x128 tiles (and the single per-tensor block) are shared: reuse the row-wise scales, and
-    // only lay scale_inv_t out as the transposed grid.
+    // 128x128 tiles (and the single per-tensor block) are shared: the row-wise scales are the
+    // column-wise ones, so each transposed code is the row-wise code of the same element. Only
+    // scale_inv_t is laid out as the transposed grid, and the codes are transposed bytes.
     if (out.has_rowwise() && columnwise.grid == rowwise.grid) {
-      columnwise.multiplier = rowwise.multiplier;
       if (out.mode == ScalingMode::per_tensor) {
         out.scale_inv_t.data<float>()[0] = out.scale_inv.data<float>()[0];
       } else {
         block_multipliers(rowwise.amax, rowwise.grid, out.mode, out.dtype,
                           args.power_of_2_block_scales, out.scale_inv_t, true);
       }
+      transpose_codes(static_cast<const uint8_t*>(out.data.raw_data()), out.rows, out.cols,
+                      static_cast<uint8_t*>(out.data_t.raw_data()));
     } else {
       columnwise = scale_copy(x, out, args, true);
       amax_source = &columnwise;
+      write_transposed<T, kFp8>(x, columnwise.grid, columnwise.multiplier.data(),
+                                static_cast<uint8_t*>(out.data_t.raw_data()));
     }
-    write_transposed<T, kFp8>(x, columnwise.grid, columnwise.multiplier.data(),
-                              static_cast<uint8_t*>(out.data_t.raw_data()));
   }
   if (args.amax.defined()) {
     // Published after every store above (DESIGN.md rule 1). Block amaxes already cover x.
