@@ -25,7 +25,7 @@ using ops::AttentionShape;
 /// Relative L2 error bounds against the double reference, per dtype.
 struct Tolerance {
   double out;   ///< attention output
-  double lse;   ///< log-sum-exp per query
+  double lse;   ///< log-sum-exp per query, against the size of its terms (lse_scale)
   double grad;  ///< dq, dk, dv
 };
 /// f32: all math in f32, sums of at most T terms, so errors stay within a few hundred float ulps
@@ -68,6 +68,10 @@ inline constexpr int64_t kQ = 0, kK = 1, kV = 2;
 /// dS = P o (dP - rowsum(P o dP)), dQ = dS K / sqrt(D), dK = dS^T Q / sqrt(D).
 struct HeadReference {
   std::vector<double> out, lse, dq, dk, dv;  ///< [T, D] (lse [T])
+  /// Per query, the size of the terms its lse is computed from: the largest sum of |q_d k_d| /
+  /// sqrt(D) over its keys, plus log(keys) + 1. |lse| never exceeds it, and an f32 lse's rounding
+  /// error is a multiple of it, also where the scores cancel and lse itself is near zero.
+  std::vector<double> lse_scale;
 };
 
 inline HeadReference reference_head(const std::vector<float>& qkv, const std::vector<float>* dout,
@@ -81,18 +85,24 @@ inline HeadReference reference_head(const std::vector<float>& qkv, const std::ve
   HeadReference r;
   r.out.assign(T * D, 0.0);
   r.lse.assign(T, 0.0);
+  r.lse_scale.assign(T, 0.0);
   std::vector<double> p(T * T, 0.0);  // row i holds P_ij for j <= i
   for (int64_t i = 0; i < T; ++i) {
-    double max_score = -INFINITY;
+    double max_score = -INFINITY, max_magnitude = 0;
     for (int64_t j = 0; j <= i; ++j) {
-      double dot = 0;
-      for (int64_t d = 0; d < D; ++d) dot += x(kQ, i, d) * x(kK, j, d);
+      double dot = 0, magnitude = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dot += x(kQ, i, d) * x(kK, j, d);
+        magnitude += std::abs(x(kQ, i, d) * x(kK, j, d));
+      }
       p[i * T + j] = dot * scale;
       max_score = std::max(max_score, p[i * T + j]);
+      max_magnitude = std::max(max_magnitude, magnitude * scale);
     }
     double sum = 0;
     for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[i * T + j] - max_score);
     r.lse[i] = max_score + std::log(sum);
+    r.lse_scale[i] = max_magnitude + std::log(static_cast<double>(i + 1)) + 1.0;
     for (int64_t j = 0; j <= i; ++j) {
       p[i * T + j] = std::exp(p[i * T + j] - r.lse[i]);
       for (int64_t d = 0; d < D; ++d) r.out[i * D + d] += p[i * T + j] * x(kV, j, d);
@@ -181,7 +191,9 @@ inline Result run(const Tensor& qkv, const Tensor* dout, const AttentionShape& s
   return r;
 }
 
-/// Relative L2 errors of a forward's out and lse against the reference, over heads_to_check.
+/// A forward's errors against the reference, over heads_to_check: out's relative L2 error, and
+/// lse's L2 error relative to the L2 norm of its lse_scale (a relative error of lse itself is
+/// ill-conditioned: with one key, lse is one dot product, which may cancel to near zero).
 struct ForwardErrors {
   double out = 0, lse = 0;
 };
@@ -189,15 +201,19 @@ inline ForwardErrors forward_errors(const Tensor& qkv_host, const Result& r,
                                     const AttentionShape& s) {
   const std::vector<float> qkv = to_floats(qkv_host), out = to_floats(r.out),
                            lse = to_floats(r.lse);
-  std::vector<float> got_out, want_out, got_lse, want_lse;
+  std::vector<float> got_out, want_out;
+  double lse_error = 0, lse_norm = 0;
   for (const auto& [b, h] : heads_to_check(s)) {
     const HeadReference ref = reference_head(qkv, nullptr, s, b, h);
     gather_head(out, s, -1, b, h, got_out);
     append(ref.out, want_out);
-    for (int64_t t = 0; t < s.seq; ++t) got_lse.push_back(lse[Index{s}.lse(b, h, t)]);
-    append(ref.lse, want_lse);
+    for (int64_t t = 0; t < s.seq; ++t) {
+      const double diff = lse[Index{s}.lse(b, h, t)] - ref.lse[t];
+      lse_error += diff * diff;
+      lse_norm += ref.lse_scale[t] * ref.lse_scale[t];
+    }
   }
-  return {relative_l2(got_out, want_out), relative_l2(got_lse, want_lse)};
+  return {relative_l2(got_out, want_out), std::sqrt(lse_error / lse_norm)};
 }
 
 /// Relative L2 errors of a backward's dq, dk and dv (indexed kQ, kK, kV) against the reference.
