@@ -9,29 +9,32 @@
 # shellcheck source=scripts/device-env.sh
 source "$(dirname "$0")/device-env.sh"
 
-# name|octet bench train flags. 40 warm-up steps make the GEMM plans of the row counts the
-# routing produces before the timed steps; with 4 microbatches a step, 12 do.
-declare -A FLAGS=(
-  [preset]="--steps 20 --warmup-steps 40"
-  [accum4]="--accum 4 --steps 8 --warmup-steps 12"
-  [batch64]="--batch 64 --steps 8 --warmup-steps 12"
-  [ffn7168-l2]="--ffn 7168 --layers 2 --steps 20 --warmup-steps 40"
-  [ffn7168-l2-accum4]="--ffn 7168 --layers 2 --accum 4 --steps 8 --warmup-steps 12"
-  [ffn7168-l2-batch64]="--ffn 7168 --layers 2 --batch 64 --steps 8 --warmup-steps 12"
-  [ffn4096-accum4]="--ffn 4096 --accum 4 --steps 8 --warmup-steps 12"
-)
-ORDER=(preset accum4 batch64 ffn7168-l2 ffn7168-l2-accum4 ffn7168-l2-batch64 ffn4096-accum4)
-read -r -a layouts <<<"${LAYOUTS:-${ORDER[*]}}"
+# One layout a line, in the order they run: its name, then its octet bench train flags. 40
+# warm-up steps make the GEMM plans of the row counts the routing produces before the timed
+# steps; with 4 microbatches a step, 12 do.
+LAYOUTS_KNOWN="\
+preset --steps 20 --warmup-steps 40
+accum4 --accum 4 --steps 8 --warmup-steps 12
+batch64 --batch 64 --steps 8 --warmup-steps 12
+ffn7168-l2 --ffn 7168 --layers 2 --steps 20 --warmup-steps 40
+ffn7168-l2-accum4 --ffn 7168 --layers 2 --accum 4 --steps 8 --warmup-steps 12
+ffn7168-l2-batch64 --ffn 7168 --layers 2 --batch 64 --steps 8 --warmup-steps 12
+ffn4096-accum4 --ffn 4096 --accum 4 --steps 8 --warmup-steps 12"
+flags_of() {  # the flags of layout $1 (nothing when unknown)
+  awk -v name="$1" '$1 == name { $1 = ""; print substr($0, 2) }' <<<"$LAYOUTS_KNOWN"
+}
+known=$(cut -d' ' -f1 <<<"$LAYOUTS_KNOWN" | paste -sd' ')
+read -r -a layouts <<<"${LAYOUTS:-$known}"
 for name in "${layouts[@]}"; do
-  [[ -n "${FLAGS[$name]:-}" ]] || { echo "unknown layout '$name'; known: ${ORDER[*]}" >&2; exit 2; }
+  [[ -n "$(flags_of "$name")" ]] || { echo "unknown layout '$name'; known: $known" >&2; exit 2; }
 done
 
 results="$OUT/moe_layouts.jsonl"
 : >"$results"
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for name in "${layouts[@]}"; do
+    read -r -a flags <<<"$(flags_of "$name")"
     for precision in fp8-delayed bf16; do
-      read -r -a flags <<<"${FLAGS[$name]}"
       json_line 180 "$OUT/moe_layouts_stderr.log" "\"error\":\"$name $precision: " \
         "$BUILD_DIR/octet" bench train --model moe-16x2048 --precision "$precision" "${flags[@]}" |
         sed "s/^{/{\"layout\":\"$name\",\"round\":$round,/" | tee -a "$results"
