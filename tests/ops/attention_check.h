@@ -92,8 +92,9 @@ inline HeadReference reference_head(const std::vector<float>& qkv, const std::ve
     for (int64_t j = 0; j <= i; ++j) {
       double dot = 0, magnitude = 0;
       for (int64_t d = 0; d < D; ++d) {
-        dot += x(kQ, i, d) * x(kK, j, d);
-        magnitude += std::abs(x(kQ, i, d) * x(kK, j, d));
+        const double term = x(kQ, i, d) * x(kK, j, d);
+        dot += term;
+        magnitude += std::abs(term);
       }
       p[i * T + j] = dot * scale;
       max_score = std::max(max_score, p[i * T + j]);
